@@ -1,0 +1,192 @@
+"""The launch command's work: options → hosts → MPI flavor → LaunchSpec → mpirun."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+from launcher import command as cmd
+from launcher.errors import ExitCode, UsageError
+from launcher.flavors import Flavor, detect_flavor, find_mpirun
+from launcher.hosts import HostSelection, all_local, is_local, resolve_hosts, resolve_np
+
+RANKEXEC = str(Path(__file__).with_name("rankexec.py"))
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """What the user asked for on the command line, before anything is resolved."""
+
+    program: tuple[str, ...]
+    np: Optional[int] = None
+    host_list: Optional[str] = None
+    hostfile: Optional[str] = None
+    cluster: Optional[str] = None
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    oversubscribe: bool = False
+    include_iface: Optional[str] = None
+    exclude_iface: Optional[str] = None
+    env: tuple[str, ...] = ()
+    mca: tuple[tuple[str, str], ...] = ()
+    mpi_args: Optional[str] = None
+    tag_output: Optional[bool] = None
+    log_dir: Optional[str] = None
+    nccl_debug: Optional[str] = None
+    no_tree_spawn: bool = False
+    mpirun: Optional[str] = None
+    ssh_config: Optional[str] = None
+    dry_run: bool = False
+    rank_wrapper: bool = True
+
+
+def warn(msg: str) -> None:
+    print(f"dtrun: warning: {msg}", file=sys.stderr)
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dtrun"
+
+
+def ssh_config_for(selection: HostSelection, base_config: Optional[str]) -> Optional[str]:
+    """An ssh config that carries the cluster file's per-host user/port/identity.
+
+    Returns ``base_config`` unchanged when no host has settings of its own; otherwise
+    writes a small config (Host blocks, then ``Include`` of the base or ~/.ssh/config).
+    """
+    per_host = [h for h in selection.hosts if h.has_ssh_settings]
+    if not per_host:
+        return base_config
+    lines = ["# written by dtrun from " + selection.source]
+    for h in per_host:
+        lines.append(f"Host {h.host}")
+        if h.user:
+            lines.append(f"  User {h.user}")
+        if h.port:
+            lines.append(f"  Port {h.port}")
+        if h.identity_file:
+            lines.append(f'  IdentityFile "{h.identity_file}"')
+    include = base_config or os.path.expanduser("~/.ssh/config")
+    if os.path.exists(include):
+        lines += ["Host *", f'  Include "{os.path.abspath(include)}"']
+    text = "\n".join(lines) + "\n"
+    path = _cache_dir() / "ssh" / f"config-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_suffix(f".{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return str(path)
+
+
+def mpich_ssh_wrapper(config: str) -> str:
+    """Hydra takes an ssh executable, not ssh arguments: a two-line script that adds -F."""
+    text = f"#!/bin/sh\nexec ssh -F {shlex.quote(config)} \"$@\"\n"
+    path = _cache_dir() / "ssh" / f"ssh-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.write_text(text)
+        path.chmod(0o755)
+    return str(path)
+
+
+def _split_ifaces(value: str, flag: str) -> tuple[str, ...]:
+    items = tuple(i.strip() for i in value.split(",") if i.strip())
+    if not items:
+        raise UsageError(f"{flag}: empty interface list")
+    for i in items:
+        if not all(c.isalnum() or c in "._-/:" for c in i):
+            raise UsageError(f"{flag}: invalid interface or subnet {i!r}")
+    return items
+
+
+def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
+              environ: Mapping[str, str]) -> cmd.LaunchSpec:
+    """Settle every choice the command line depends on (pure apart from writing ssh configs)."""
+    if not opts.program:
+        raise UsageError("no program given: dtrun [OPTIONS] PROGRAM [ARGS...]")
+    np = resolve_np(opts.np, selection, opts.oversubscribe)
+    local_only = all_local(selection.hosts)
+    for item in opts.env:
+        cmd.parse_env_item(item)
+    include, exclude, reason = (), cmd.DEFAULT_EXCLUDE, "default"
+    if opts.include_iface and opts.exclude_iface:
+        raise UsageError("--include-iface and --exclude-iface cannot be used together (Open MPI rejects both at once)")
+    if opts.include_iface:
+        include, reason = _split_ifaces(opts.include_iface, "--include-iface"), "--include-iface"
+        local_only = False
+    elif opts.exclude_iface:
+        exclude, reason = _split_ifaces(opts.exclude_iface, "--exclude-iface"), "--exclude-iface"
+        local_only = False
+    elif not local_only and flavor.is_openmpi:
+        from launcher.netinfo import infer_shared_subnet
+
+        shared = infer_shared_subnet([h.host for h in selection.hosts if not is_local(h.host)])
+        if shared is not None:
+            include, reason = (shared.cidr,), f"the subnet of {shared.iface} reaches every host"
+    base_ssh = opts.ssh_config or environ.get("DTRUN_SSH_CONFIG") or selection.ssh_config
+    if base_ssh and not os.path.isfile(base_ssh):
+        raise UsageError(f"ssh config {base_ssh}: no such file")
+    ssh_config = ssh_config_for(selection, base_ssh)
+    tag = opts.tag_output if opts.tag_output is not None else (len(selection.hosts) > 1 and not local_only)
+    wrapper = (sys.executable, "-S", RANKEXEC, "--") if opts.rank_wrapper else ()
+    return cmd.LaunchSpec(
+        program=tuple(opts.program),
+        hosts=selection.hosts,
+        np=np,
+        host_source=selection.source,
+        oversubscribe=opts.oversubscribe,
+        include_iface=include,
+        exclude_iface=exclude,
+        iface_reason=reason,
+        local_only=local_only,
+        env=tuple(opts.env),
+        env_names_set=frozenset(k for k in ("LD_LIBRARY_PATH", "NCCL_SOCKET_IFNAME") if environ.get(k)),
+        mca=tuple(opts.mca),
+        mpi_args=tuple(shlex.split(opts.mpi_args)) if opts.mpi_args else (),
+        tag_output=tag,
+        log_dir=os.path.abspath(opts.log_dir) if opts.log_dir else None,
+        nccl_debug=opts.nccl_debug,
+        no_tree_spawn=opts.no_tree_spawn,
+        ssh_config=ssh_config,
+        ssh_wrapper=mpich_ssh_wrapper(ssh_config) if ssh_config and not flavor.is_openmpi else None,
+        as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+        rank_wrapper=wrapper,
+    )
+
+
+def prepare(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None):
+    """Resolve hosts and flavor and build the spec and the argument groups."""
+    environ = os.environ if environ is None else environ
+    selection = resolve_hosts(opts.host_list, opts.hostfile, opts.cluster, opts.include, opts.exclude, environ)
+    for w in selection.warnings:
+        warn(w)
+    flavor = detect_flavor(find_mpirun(opts.mpirun, environ))
+    spec = make_spec(opts, flavor, selection, environ)
+    if len(selection.hosts) >= cmd.TREE_SPAWN_HOSTS and not spec.no_tree_spawn and flavor.is_openmpi:
+        warn(f"{len(selection.hosts)} hosts: Open MPI spawns daemons through a tree, so inner hosts must ssh to "
+             "others; pass --no-tree-spawn if only this host has ssh access to all")
+    return selection, flavor, spec, cmd.build_groups(spec, flavor)
+
+
+def launch(opts: LaunchOptions) -> int:
+    """Run (or with --dry-run, print) the job; return dtrun's exit code."""
+    selection, flavor, spec, groups = prepare(opts)
+    if opts.dry_run:
+        hosts = len(selection.hosts)
+        header = (f"{flavor.label} ({flavor.mpirun}); {spec.np} ranks on {hosts} host{'s' if hosts != 1 else ''} "
+                  f"from {selection.source}")
+        print(cmd.format_dry_run(groups, header))
+        return ExitCode.OK
+    from launcher.run import failure_summary, run_job
+
+    argv = [a for g in groups for a in g.args]
+    result = run_job(argv)
+    if result.returncode != 0:
+        print(failure_summary(result, spec.log_dir), file=sys.stderr)
+    return result.returncode

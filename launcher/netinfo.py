@@ -1,0 +1,83 @@
+"""Which local network reaches every host of a job (no SSH, a few milliseconds).
+
+Open MPI binds its TCP transport and its runtime wiring to interfaces; naming the
+one subnet all hosts share (include) is more reliable than listing what to avoid
+(exclude), see shared/CLUSTER-TESTING.md. Interface names can differ between
+hosts, so the subnet is passed in CIDR form, which Open MPI's *_if_include accept.
+"""
+from __future__ import annotations
+
+import ipaddress
+import socket
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+RESOLVE_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class SharedSubnet:
+    iface: str  # the launching host's interface on it
+    cidr: str  # e.g. "10.0.0.0/24"
+
+
+def _resolve(host: str) -> Optional[str]:
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    return infos[0][4][0] if infos else None
+
+
+def resolve_all(hosts: Sequence[str], timeout: float = RESOLVE_TIMEOUT_S) -> dict[str, Optional[str]]:
+    """IPv4 address of each host (None where it does not resolve in time)."""
+    pool = ThreadPoolExecutor(max_workers=min(16, max(1, len(hosts))))
+    futures = {h: pool.submit(_resolve, h) for h in hosts}
+    wait(futures.values(), timeout=timeout)
+    pool.shutdown(wait=False, cancel_futures=True)
+    return {h: (f.result() if f.done() else None) for h, f in futures.items()}
+
+
+def local_networks() -> list[tuple[str, ipaddress.IPv4Network]]:
+    """(interface, network) for every IPv4 address of this machine that is up, except loopback."""
+    import psutil
+
+    stats = psutil.net_if_stats()
+    nets = []
+    for name, addrs in psutil.net_if_addrs().items():
+        if name in stats and not stats[name].isup:
+            continue
+        for a in addrs:
+            if a.family == socket.AF_INET and a.netmask and not a.address.startswith("127."):
+                nets.append((name, ipaddress.ip_network(f"{a.address}/{a.netmask}", strict=False)))
+    return nets
+
+
+def shared_subnet(addresses: Sequence[str], networks=None) -> Optional[SharedSubnet]:
+    """The local network that contains every address, or None (pure given ``networks``)."""
+    if not addresses:
+        return None
+    networks = local_networks() if networks is None else networks
+    ips = [ipaddress.ip_address(a) for a in addresses]
+    for iface, net in networks:
+        if iface != "docker0" and _all_in(ips, net):
+            return SharedSubnet(iface, str(net))
+    return None
+
+
+def _all_in(ips, net) -> bool:
+    return all(ip in net for ip in ips)
+
+
+def infer_shared_subnet(remote_hosts: Sequence[str]) -> Optional[SharedSubnet]:
+    """Resolve the remote hosts and find the local subnet shared by all of them."""
+    resolved = resolve_all(remote_hosts)
+    if any(a is None for a in resolved.values()):
+        return None
+    return shared_subnet(list(resolved.values()))

@@ -1,0 +1,204 @@
+"""Running mpirun as a child: signals, the exit code, and the failure summary.
+
+mpirun runs in its own process group with the argument list (no shell). dtrun
+forwards SIGINT/SIGTERM once (a terminal's Ctrl-C reaching both would make Open
+MPI skip its clean-up), escalates to SIGTERM and SIGKILL of the group if mpirun
+does not stop, and reads mpirun's stderr to find the rank wrapper's exit markers.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from launcher.errors import ExitCode, LaunchError, signal_exit_code, signal_name
+from launcher.rankexec import MARKER
+
+_MARKER_RE = re.compile(re.escape(MARKER) + r" rank=(\S+) host=(\S+) (code|signal)=(-?\d+)")
+# Open MPI's own report when no marker was seen (e.g. the program is not wrapped).
+_OMPI_RANK_RE = re.compile(r"Process name:\s+\[[^\]]*?,(\d+)\]")
+_OMPI_CODE_RE = re.compile(r"Exit code:\s+(\d+)")
+_OMPI_SIGNAL_RE = re.compile(r"exited on signal (\d+)")
+# Grace periods for a Ctrl-C: mpirun gets this long to stop its ranks before SIGTERM, then SIGKILL.
+INTERRUPT_GRACE_S = 5.0
+TERM_GRACE_S = 3.0
+
+
+@dataclass
+class RankFailure:
+    rank: str
+    host: str
+    code: Optional[int] = None
+    signum: Optional[int] = None
+
+    @property
+    def how(self) -> str:
+        if self.signum is not None:
+            return f"killed by {signal_name(self.signum)}"
+        return f"exited with code {self.code}"
+
+
+@dataclass
+class JobResult:
+    returncode: int  # dtrun's exit code
+    mpirun_returncode: int
+    failures: list = field(default_factory=list)
+    interrupted: bool = False
+
+
+def parse_marker(line: str) -> Optional[RankFailure]:
+    m = _MARKER_RE.search(line)
+    if not m:
+        return None
+    rank, host, kind, value = m.groups()
+    if kind == "signal":
+        return RankFailure(rank, host, signum=int(value))
+    return RankFailure(rank, host, code=int(value))
+
+
+def exit_code_for(mpirun_rc: int, failures: Sequence[RankFailure], interrupted: bool) -> int:
+    """dtrun's exit code: 130 on Ctrl-C; the job's code; never 0 for a job killed by a signal."""
+    if interrupted:
+        return ExitCode.INTERRUPTED
+    if mpirun_rc < 0:
+        return signal_exit_code(-mpirun_rc)
+    if mpirun_rc == 0:
+        for f in failures:
+            if f.signum is not None:
+                return signal_exit_code(f.signum)
+            if f.code:
+                return f.code
+    return mpirun_rc
+
+
+class _StderrPump(threading.Thread):
+    """Copies mpirun's stderr to ours, keeping marker lines back and remembering Open MPI's report."""
+
+    def __init__(self, stream):
+        super().__init__(daemon=True)
+        self.stream = stream
+        self.failures: list[RankFailure] = []
+        self.ompi_report: list[str] = []
+
+    def run(self):
+        out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+        for raw in iter(self.stream.readline, b""):
+            line = raw.decode("utf-8", "replace")
+            failure = parse_marker(line)
+            if failure is not None:
+                self.failures.append(failure)
+                continue
+            if "Process name:" in line or "Exit code:" in line or "exited on signal" in line:
+                self.ompi_report.append(line)
+            if out is not None:
+                out.write(raw)
+                out.flush()
+            else:
+                sys.stderr.write(line)
+
+    def fallback_failure(self) -> Optional[RankFailure]:
+        text = "".join(self.ompi_report)
+        rank = _OMPI_RANK_RE.search(text)
+        if not rank:
+            return None
+        code = _OMPI_CODE_RE.search(text)
+        sig = _OMPI_SIGNAL_RE.search(text)
+        return RankFailure(rank.group(1), "?", code=int(code.group(1)) if code else None,
+                           signum=int(sig.group(1)) if sig else None)
+
+
+def run_job(argv: Sequence[str], env: Optional[dict] = None) -> JobResult:
+    """Run mpirun with ``argv`` and wait, handling Ctrl-C / SIGTERM. Never uses a shell."""
+    stdin = subprocess.DEVNULL if sys.stdin is None or (sys.stdin.isatty() if hasattr(sys.stdin, "isatty") else False) else None
+    try:
+        proc = subprocess.Popen(list(argv), stdin=stdin, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    except OSError as exc:
+        raise LaunchError(f"cannot start {argv[0]}: {exc.strerror}") from None
+    pump = _StderrPump(proc.stderr)
+    pump.start()
+
+    state = {"interrupted": False, "stage": 0}
+    lock = threading.Lock()
+
+    def escalate():
+        """First call: forward SIGINT; then SIGTERM; then SIGKILL the whole group."""
+        with lock:
+            stage = state["stage"]
+            state["stage"] += 1
+        try:
+            if stage == 0:
+                proc.send_signal(signal.SIGINT)
+            elif stage == 1:
+                proc.send_signal(signal.SIGTERM)
+            else:
+                os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def on_signal(signum, _frame):
+        state["interrupted"] = True
+        escalate()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        deadline = None
+        while True:
+            try:
+                proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if state["interrupted"]:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + INTERRUPT_GRACE_S
+                elif now > deadline:
+                    escalate()
+                    deadline = now + TERM_GRACE_S
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    pump.join(timeout=5)
+    if state["interrupted"]:
+        _reap_group(proc.pid)
+    failures = list(pump.failures)
+    if not failures and proc.returncode != 0 and not state["interrupted"]:
+        fb = pump.fallback_failure()
+        if fb:
+            failures.append(fb)
+    rc = exit_code_for(proc.returncode, failures, state["interrupted"])
+    return JobResult(rc, proc.returncode, failures, state["interrupted"])
+
+
+def _reap_group(pgid: int) -> None:
+    """After an interrupt, make sure nothing of the job's process group is left on this host."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def failure_summary(result: JobResult, log_dir: Optional[str] = None) -> str:
+    """One summary line and a short table like torchrun's, for a failed job."""
+    if result.interrupted:
+        return "dtrun: interrupted; the job was stopped"
+    if not result.failures:
+        return f"dtrun: job failed: mpirun exited with code {result.mpirun_returncode}"
+    first = result.failures[0]
+    others = len({f.rank for f in result.failures}) - 1
+    tail = f" ({others} other rank{'s' if others != 1 else ''} ended after it)" if others > 0 else ""
+    lines = [f"dtrun: job failed: rank {first.rank} on {first.host} {first.how}{tail}",
+             "  first failure:",
+             f"    rank       : {first.rank}",
+             f"    host       : {first.host}",
+             f"    {'signal' if first.signum is not None else 'exit code':<11}: "
+             f"{signal_name(first.signum) + f' ({first.signum})' if first.signum is not None else first.code}"]
+    if log_dir:
+        lines.append(f"    log        : {os.path.join(log_dir, f'rank.{first.rank}.log')}")
+    return "\n".join(lines)
