@@ -1,0 +1,183 @@
+"""Golden mpirun command lines per flavor, redaction, and the exit-code mapping (values only)."""
+import shlex
+import signal
+import sys
+
+import pytest
+
+from launcher import rankexec
+from launcher.command import LaunchSpec, build_command, format_dry_run, build_groups, redact_args
+from launcher.errors import ExitCode, MpiFlavorError, UsageError
+from launcher.flavors import MPICH, OPENMPI, Flavor, parse_version_output
+from launcher.hostfile import parse_host_list
+from launcher.run import RankFailure, exit_code_for, failure_summary, JobResult, parse_marker
+
+OMPI4 = Flavor(OPENMPI, (4, 1, 4), "/usr/bin/mpirun", "/usr")
+OMPI5 = Flavor(OPENMPI, (5, 0, 11), "/venv/bin/mpirun", "/venv")
+HYDRA = Flavor(MPICH, (4, 0, 2), "/usr/bin/mpiexec.hydra", "/usr")
+W = ("/venv/bin/python3", "-S", "/src/launcher/rankexec.py", "--")
+
+
+def spec(**kw):
+    base = dict(program=("python", "train.py", "--lr", "0.1"), hosts=tuple(parse_host_list("s1:4,s2:4")), np=8,
+                env_names_set=frozenset({"LD_LIBRARY_PATH"}), as_root=False, rank_wrapper=W, tag_output=True)
+    base.update(kw)
+    return LaunchSpec(**base)
+
+
+def line(args):
+    return shlex.join(args)
+
+
+def test_openmpi5_golden():
+    assert line(build_command(spec(), OMPI5)) == (
+        "/venv/bin/mpirun -np 8 -H s1:4,s2:4 --prefix /venv --bind-to none --map-by slot "
+        "--mca pml ob1 --mca btl self,sm,tcp --mca btl_tcp_if_exclude lo,docker0 --output tag "
+        "-x PATH -x LD_LIBRARY_PATH -x 'NCCL_SOCKET_IFNAME=^lo,docker0' "
+        "/venv/bin/python3 -S /src/launcher/rankexec.py -- python train.py --lr 0.1")
+
+
+def test_openmpi4_golden():
+    assert line(build_command(spec(oversubscribe=True, as_root=True), OMPI4)) == (
+        "/usr/bin/mpirun -np 8 -H s1:4,s2:4 --prefix /usr --allow-run-as-root --bind-to none --map-by slot "
+        "--oversubscribe --mca pml ob1 --mca btl '^openib' --mca btl_tcp_if_exclude lo,docker0 "
+        "--mca oob_tcp_if_exclude lo,docker0 --tag-output "
+        "-x PATH -x LD_LIBRARY_PATH -x 'NCCL_SOCKET_IFNAME=^lo,docker0' "
+        "/venv/bin/python3 -S /src/launcher/rankexec.py -- python train.py --lr 0.1")
+
+
+def test_mpich_golden():
+    assert line(build_command(spec(env=("OMP_NUM_THREADS=4", "HOME")), HYDRA)) == (
+        "/usr/bin/mpiexec.hydra -n 8 -hosts s1:4,s2:4 -prepend-rank "
+        "-genvlist PATH,LD_LIBRARY_PATH,HOME -genv NCCL_SOCKET_IFNAME '^lo,docker0' -genv OMP_NUM_THREADS 4 "
+        "/venv/bin/python3 -S /src/launcher/rankexec.py -- python train.py --lr 0.1")
+
+
+def test_openmpi5_include_cidr_names_runtime_and_pmix_too():
+    args = build_command(spec(include_iface=("10.1.0.0/24",), iface_reason="shared subnet"), OMPI5)
+    text = line(args)
+    assert "--mca btl_tcp_if_include 10.1.0.0/24 --prtemca prte_if_include 10.1.0.0/24 " \
+           "--pmixmca ptl_base_if_include 10.1.0.0/24" in text
+    assert "exclude" not in text.replace("NCCL_SOCKET_IFNAME=^lo,docker0", "")
+    # NCCL takes interface names, not subnets: it keeps the exclude list
+    assert "NCCL_SOCKET_IFNAME=^lo,docker0" in text
+
+
+def test_openmpi4_include_iface_name_reaches_oob_and_nccl():
+    text = line(build_command(spec(include_iface=("eth0",)), OMPI4))
+    assert "--mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0" in text
+    assert "-x NCCL_SOCKET_IFNAME=eth0" in text
+
+
+def test_mpich_include_iface():
+    assert "-iface ib0" in line(build_command(spec(include_iface=("ib0",)), HYDRA))
+
+
+def test_local_only_skips_interface_and_prefix_flags():
+    text = line(build_command(spec(hosts=tuple(parse_host_list("localhost:2")), np=2, local_only=True, tag_output=False), OMPI5))
+    assert "if_exclude" not in text and "NCCL_SOCKET_IFNAME" not in text and "--prefix" not in text
+    assert "--output tag" not in text
+
+
+def test_oversubscribe_spelling_per_version():
+    assert "--map-by slot:oversubscribe" in line(build_command(spec(oversubscribe=True), OMPI5))
+    assert "--oversubscribe" not in line(build_command(spec(oversubscribe=True), OMPI5))
+
+
+def test_ssh_config_and_no_tree_spawn_per_version():
+    s = spec(ssh_config="/c/ssh config", no_tree_spawn=True)
+    assert "--prtemca plm_ssh_args '-F /c/ssh config' --prtemca plm_ssh_no_tree_spawn 1" in line(build_command(s, OMPI5))
+    assert "--mca plm_rsh_args '-F /c/ssh config' --mca plm_rsh_no_tree_spawn 1" in line(build_command(s, OMPI4))
+    assert "-launcher-exec /w/ssh" in line(build_command(spec(ssh_config="/c", ssh_wrapper="/w/ssh"), HYDRA))
+
+
+def test_user_env_mca_mpi_args_and_nccl_debug():
+    s = spec(env=("NCCL_SOCKET_IFNAME=ib0", "FOO"), mca=(("btl_tcp_links", "2"),),
+             mpi_args=("--report-bindings",), nccl_debug="INFO")
+    args = build_command(s, OMPI5)
+    text = line(args)
+    assert "-x NCCL_SOCKET_IFNAME=ib0" in text and "^lo,docker0" not in text  # the user's value wins
+    assert "-x NCCL_DEBUG=INFO" in text and "-x FOO" in text
+    assert "--mca btl_tcp_links 2 --report-bindings /venv/bin/python3" in text
+    assert args[-4:] == ["python", "train.py", "--lr", "0.1"]  # the program comes last, untouched
+
+
+def test_mca_with_mpich_is_a_usage_error():
+    with pytest.raises(UsageError, match="--mca is an Open MPI option"):
+        build_command(spec(mca=(("a", "b"),)), HYDRA)
+
+
+def test_redaction_of_secret_looking_values():
+    args = ["-x", "HF_TOKEN=abc", "-x", "AWS_SECRET_ACCESS_KEY=s3", "-x", "DB_PASSWORD=pw",
+            "-x", "OMP_NUM_THREADS=4", "-genv", "API_KEY", "k", "-x", "PATH"]
+    assert redact_args(args) == ["-x", "HF_TOKEN=<redacted>", "-x", "AWS_SECRET_ACCESS_KEY=<redacted>",
+                                 "-x", "DB_PASSWORD=<redacted>", "-x", "OMP_NUM_THREADS=4",
+                                 "-genv", "API_KEY", "<redacted>", "-x", "PATH"]
+
+
+def test_dry_run_format_is_commented_and_redacted():
+    out = format_dry_run(build_groups(spec(env=("WANDB_API_KEY=xyz",)), OMPI5), "hdr")
+    assert "xyz" not in out and "WANDB_API_KEY=<redacted>" in out
+    lines = out.splitlines()
+    assert lines[0] == "# hdr" and lines[1] == "mpirun_cmd=(" and lines[-1] == '"${mpirun_cmd[@]}"'
+    bind = next(l for l in lines if l.strip().startswith("--bind-to none"))
+    assert "# no core pinning" in bind
+
+
+@pytest.mark.parametrize("text, kind, version", [
+    ("mpirun (Open MPI) 5.0.11\n\nReport bugs to https://www.open-mpi.org/community/help/\n", OPENMPI, (5, 0, 11)),
+    ("mpirun (Open MPI) 4.1.4\n", OPENMPI, (4, 1, 4)),
+    ("mpirun.openmpi (OpenRTE) 4.1.4\n", OPENMPI, (4, 1, 4)),
+    ("HYDRA build details:\n    Version:                                 4.0.2\n    Release Date: x\n", MPICH, (4, 0, 2)),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.10 Build 20230619\n", MPICH, (2021, 10)),
+])
+def test_version_parsing(text, kind, version):
+    assert parse_version_output(text) == (kind, version)
+
+
+def test_unknown_mpi_is_a_clear_error():
+    with pytest.raises(MpiFlavorError, match="unrecognised MPI: 'mpirun --version' said 'Sun HPC 8'"):
+        parse_version_output("Sun HPC 8\n")
+
+
+def test_exit_code_mapping():
+    assert exit_code_for(0, [], False) == 0
+    assert exit_code_for(3, [], False) == 3
+    assert exit_code_for(-signal.SIGKILL, [], False) == 128 + 9
+    assert exit_code_for(0, [RankFailure("1", "h", signum=9)], False) == 137  # never 0 for a killed rank
+    assert exit_code_for(1, [], True) == ExitCode.INTERRUPTED == 130
+    assert int(ExitCode.USAGE) == 2 and int(ExitCode.FAILED) == 1
+
+
+def test_marker_parsing_through_tag_prefix():
+    f = parse_marker("[1,3]<stderr>: dtrun-rank-exit: rank=3 host=node2 code=7\n")
+    assert (f.rank, f.host, f.code, f.signum) == ("3", "node2", 7, None)
+    f = parse_marker("dtrun-rank-exit: rank=0 host=a signal=11")
+    assert f.signum == 11 and f.how == "killed by SIGSEGV"
+    assert parse_marker("an ordinary line") is None
+
+
+def test_failure_summary_names_first_rank_host_and_log():
+    r = JobResult(7, 7, [RankFailure("3", "node2", code=7), RankFailure("0", "node1", signum=15)])
+    text = failure_summary(r, "/logs")
+    assert text.splitlines()[0] == "dtrun: job failed: rank 3 on node2 exited with code 7 (1 other rank ended after it)"
+    assert "host       : node2" in text and "/logs/rank.3.log" in text
+
+
+def test_rank_env_from_each_flavor():
+    assert rankexec.rank_env({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                              "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}) == \
+        {"DTRUN_RANK": "3", "DTRUN_LOCAL_RANK": "1", "DTRUN_SIZE": "8", "DTRUN_LOCAL_SIZE": "4"}
+    assert rankexec.rank_env({"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}) == \
+        {"DTRUN_RANK": "2", "DTRUN_LOCAL_RANK": "0", "DTRUN_SIZE": "4", "DTRUN_LOCAL_SIZE": "2"}
+
+
+def test_python_programs_are_run_under_mpi4py_abort_handler():
+    py = sys.executable
+    assert rankexec.with_abort_on_exception([py, "train.py", "-x"]) == [py, "-m", "mpi4py", "train.py", "-x"]
+    assert rankexec.with_abort_on_exception([py, "-u", "-W", "ignore", "-m", "pkg.mod"]) == \
+        [py, "-u", "-W", "ignore", "-m", "mpi4py", "-m", "pkg.mod"]
+    assert rankexec.with_abort_on_exception([py, "-c", "pass"]) == [py, "-m", "mpi4py", "-c", "pass"]
+    assert rankexec.with_abort_on_exception([py, "-m", "mpi4py", "x.py"]) == [py, "-m", "mpi4py", "x.py"]
+    assert rankexec.with_abort_on_exception(["/bin/sh", "-c", "true"]) == ["/bin/sh", "-c", "true"]
+    assert rankexec.with_abort_on_exception(["/other/env/bin/python", "x.py"]) == ["/other/env/bin/python", "x.py"]
