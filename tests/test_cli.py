@@ -1,0 +1,136 @@
+"""The CLI as users call it: messages and exit codes for bad input, --dry-run, hosts."""
+import json
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from launcher.cli import fold_mca, run_app, sub_app
+from tests.dtrun_helpers import DTRUN, REPO, dtrun
+
+
+def one_line_error(proc, *needles):
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("dtrun: error: ")
+    assert "Traceback" not in proc.stderr
+    for n in needles:
+        assert n in lines[0]
+    return lines[0]
+
+
+def test_bad_host_list(tmp_path):
+    one_line_error(dtrun("-H", "a:0,b:2", "true"), "-H: slots for a must be a positive integer, got 0")
+    one_line_error(dtrun("-H", "a:x", "true"), "got 'x'")
+    one_line_error(dtrun("-H", "-oProxyCommand=evil", "true"))
+
+
+def test_malformed_hostfile_names_file_and_line(tmp_path):
+    hf = tmp_path / "hosts"
+    hf.write_text("node1 slots=2\n# comment\nnode2 slots=-1\n")
+    one_line_error(dtrun("--hostfile", hf, "true"), f"{hf}:3: slots must be a positive integer, got -1")
+
+
+def test_bad_cluster_file_names_line(tmp_path):
+    cf = tmp_path / "c.yaml"
+    cf.write_text("hosts:\n  - a\n  - {name: b, slots: two}\n")
+    one_line_error(dtrun("--cluster", cf, "true"), f"{cf}:3: slots must be a positive integer, got 'two'")
+
+
+def test_np_zero_and_too_many():
+    one_line_error(dtrun("-np", "0", "-H", "localhost:2", "true"), "-np must be a positive integer, got 0")
+    line = one_line_error(dtrun("-np", "5", "-H", "localhost:2", "true"), "-np 5 is more than the 2 slots")
+    assert "--oversubscribe" in line
+    one_line_error(dtrun("-np", "two", "true"), "-np")
+
+
+def test_unknown_include_host():
+    one_line_error(dtrun("-H", "a,b", "--include", "c", "true"), "--include: c not in the host list")
+
+
+def test_missing_mpirun():
+    one_line_error(dtrun("--mpirun", "/nonexistent/mpirun", "-np", "1", "true"), "--mpirun /nonexistent/mpirun: no such file")
+
+
+def test_not_an_mpi(tmp_path):
+    one_line_error(dtrun("--mpirun", "/bin/echo", "-np", "1", "true"), "unrecognised MPI")
+
+
+def test_no_program():
+    one_line_error(dtrun("-np", "1"), "no program given")
+
+
+def test_bad_env_name():
+    one_line_error(dtrun("-x", "1BAD=2", "true"), "-x '1BAD=2'")
+
+
+def test_include_and_exclude_iface_together():
+    one_line_error(dtrun("--include-iface", "eth0", "--exclude-iface", "lo", "true"), "cannot be used together")
+
+
+def test_traceback_flag_shows_the_traceback():
+    p = dtrun("--traceback", "-np", "0", "true")
+    assert p.returncode != 0 and "Traceback" in p.stderr
+
+
+def test_dry_run_prints_command_and_runs_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    p = dtrun("--dry-run", "-np", "2", "-H", "localhost:2", "-x", "HF_TOKEN=hf_secret", "--mca", "btl_tcp_links", "2",
+              "touch", marker)
+    assert p.returncode == 0, p.stderr
+    assert not marker.exists()
+    assert "hf_secret" not in p.stdout and "HF_TOKEN=<redacted>" in p.stdout
+    assert "--mca btl_tcp_links 2" in p.stdout
+    assert "# no core pinning" in p.stdout
+    assert p.stdout.splitlines()[0].startswith("# Open MPI 5.")
+
+
+def test_program_options_are_not_parsed_by_dtrun():
+    p = dtrun("--dry-run", "-H", "localhost:1", "python", "train.py", "-np", "7", "--mca", "x")
+    assert p.returncode == 0, p.stderr
+    assert "-- python train.py -np 7 --mca x" in p.stdout
+    p2 = dtrun("--dry-run", "-H", "localhost:1", "--", "--weird-program")
+    assert p2.returncode == 0 and "-- --weird-program" in p2.stdout
+
+
+def test_duplicate_hosts_warn_and_merge():
+    p = dtrun("--dry-run", "-H", "localhost:1,localhost:2", "true")
+    assert p.returncode == 0
+    assert "dtrun: warning: host localhost is listed more than once; merged into 3 slots" in p.stderr
+    assert "-H localhost:3" in p.stdout
+
+
+def test_hosts_json_and_table():
+    p = dtrun("hosts", "--hostfile", "hostfiles/cluster-4x4", "--exclude", "server2", "--json")
+    assert p.returncode == 0, p.stderr
+    data = json.loads(p.stdout)
+    assert [h["host"] for h in data["hosts"]] == ["server1", "server3", "server4"]
+    assert data["total_slots"] == 12
+    t = dtrun("hosts", "--cluster", "hostfiles/cluster.yaml")
+    assert t.returncode == 0 and "server4" in t.stdout and "2222" in t.stdout and "ops" in t.stdout
+
+
+def test_fold_mca_only_before_program():
+    assert fold_mca(["--mca", "a", "b", "-x", "--mca", "prog", "--mca", "c", "d"]) == \
+        ["--mca", "a=b", "-x", "--mca", "prog", "--mca", "c", "d"]
+
+
+def test_clirunner_help_lists_options_and_subcommands():
+    r = CliRunner().invoke(run_app, ["--help"])
+    assert r.exit_code == 0
+    for opt in ("-np", "--hostfile", "--cluster", "--dry-run", "--include-iface", "--log-dir", "--mpirun"):
+        assert opt in r.output
+    assert "dtrun hosts | smoke | bench | doctor | keyscan" in r.output.replace("\n", " ")
+    r = CliRunner().invoke(sub_app, ["hosts", "--help"])
+    assert r.exit_code == 0 and "--json" in r.output
+
+
+def test_dtrun_script_does_not_import_heavy_modules():
+    import subprocess, sys
+    code = ("import sys; sys.argv=['dtrun','--dry-run','-H','localhost:2','true'];"
+            "import launcher.cli as c\ntry:\n c.main()\nexcept SystemExit: pass\n"
+            "heavy=[m for m in ('paramiko','mpi4py','numpy','rich.table','yaml') if m in sys.modules];"
+            "print('HEAVY', heavy, file=sys.stderr)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert "HEAVY []" in p.stderr, p.stderr
