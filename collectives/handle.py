@@ -49,6 +49,13 @@ class Handle:
             self._finish()
         return self._done
 
+    # MPI.Request spelling, so a Handle can wrap another Handle (adapters do).
+    def Wait(self) -> None:  # noqa: N802
+        self.wait()
+
+    def Test(self) -> bool:  # noqa: N802
+        return self.test()
+
     @property
     def done(self) -> bool:
         return self._done

@@ -1,0 +1,793 @@
+"""The communicator: buffer-based collectives on NumPy, PyTorch and GPU arrays.
+
+Every operation uses mpi4py's uppercase (buffer) calls, never pickling. NumPy arrays
+take the fast path (one ``type() is`` test, one dict lookup, the MPI call); PyTorch
+CPU tensors are viewed as NumPy zero-copy; GPU arrays go to ``collectives.gpu``.
+
+What is checked, and when:
+
+* always (local, costs nothing): unsupported dtype, non-contiguous arrays, an ``out``
+  of the wrong shape/dtype, lengths that ``size`` does not divide (scatter,
+  reduce_scatter, alltoall), ops that make no sense for the dtype (average of ints).
+* always in ``gatherv``/``allgatherv``: dtype and trailing shape agree on all ranks
+  (the per-rank lengths are exchanged anyway, the signature rides along).
+* only with ``DTRUN_CHECK=1`` (or ``Comm(check=True)``): before each collective the
+  ranks exchange (operation, dtype, element count, op, root) and every rank raises
+  ``MismatchError`` naming the ranks that disagree. Without it a mismatch is
+  undefined behaviour in MPI: a truncation error, wrong values, or a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from . import dtypes as _dt
+from .errors import (CollectiveError, MismatchError, MPIError, NotContiguousError,
+                     ShapeError, UnsupportedDtypeError)
+from .handle import Handle
+from .shm import ShmReducer
+
+SUM, PROD, MIN, MAX, AVG = _dt.SUM, _dt.PROD, _dt.MIN, _dt.MAX, _dt.AVG
+IN_PLACE = MPI.IN_PLACE
+ANY_SOURCE = MPI.ANY_SOURCE
+ANY_TAG = MPI.ANY_TAG
+
+DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
+DEFAULT_SHM_THRESHOLD = 256 * 1024
+DEFAULT_SHM_CHUNK = 512 * 1024  # fits in L2/L3 between copy-in, reduce and copy-out
+
+_OP_CODES = {name: i for i, name in enumerate(
+    ["allreduce", "reduce", "broadcast", "scatter", "gather", "allgather", "gatherv",
+     "allgatherv", "reduce_scatter", "alltoall", "barrier", "grouped_allreduce"])}
+_REDOP_CODES = {None: 0, SUM: 1, PROD: 2, MIN: 3, MAX: 4, AVG: 5}
+
+
+def _env_bytes(name: str, default: int) -> int:
+    """Read a byte count from the environment: plain integer, or with K/M/G suffix."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    mult = 1
+    if raw[-1].upper() in "KMG":
+        mult = 1 << (10 * ("KMG".index(raw[-1].upper()) + 1))
+        raw = raw[:-1].rstrip("iIbB")
+    try:
+        return int(float(raw) * mult)
+    except ValueError:
+        raise ValueError(f"{name}={os.environ[name]!r} is not a byte count (e.g. 64M)") from None
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class Comm:
+    """A communicator over a group of ranks (wraps an ``mpi4py.MPI.Intracomm``).
+
+    Creating one is collective over ``mpi_comm``. Attributes: ``rank``, ``size``,
+    ``local_rank``/``local_size`` (within this host), ``node``/``nnodes`` (index of
+    this host among the hosts of the communicator), ``host``, ``mpi`` (the mpi4py
+    communicator).
+
+    Args:
+        mpi_comm: the MPI communicator (default ``MPI.COMM_WORLD``).
+        check: exchange a signature before each collective to catch mismatches
+            (default: env ``DTRUN_CHECK``).
+        shm: use the shared-memory allreduce on hosts with several ranks (default:
+            on, unless env ``DTRUN_SHM=0``).
+        node_comm: override how ranks are grouped into nodes (tests use it to emulate
+            several hosts on one machine). Must be a split of ``mpi_comm`` whose
+            members share memory.
+    """
+
+    def __init__(self, mpi_comm: MPI.Intracomm | None = None, *, check: bool | None = None,
+                 shm: bool | None = None, node_comm: MPI.Intracomm | None = None) -> None:
+        comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        self.mpi = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.host = MPI.Get_processor_name() or socket.gethostname()
+        if node_comm is None:
+            node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self._node_comm = node_comm
+        self.local_rank = node_comm.Get_rank()
+        self.local_size = node_comm.Get_size()
+        # Node index: hosts ordered by their lowest rank. One small allgather at setup.
+        leader = np.array([self.rank], dtype=np.int64)
+        node_comm.Allreduce(IN_PLACE, leader, op=MPI.MIN)
+        info = np.array([leader[0], self.local_size], dtype=np.int64)
+        table = np.empty((self.size, 2), dtype=np.int64)
+        comm.Allgather(info, table)
+        leaders = sorted(set(int(v) for v in table[:, 0]))
+        self.node = leaders.index(int(leader[0]))
+        self.nnodes = len(leaders)
+        self._uniform_nodes = len(set(int(v) for v in table[:, 1])) == 1
+
+        self.check = _env_flag("DTRUN_CHECK") if check is None else bool(check)
+        self.fusion_threshold = _env_bytes("DTRUN_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)
+        use_shm = (os.environ.get("DTRUN_SHM", "1").strip() != "0") if shm is None else shm
+        self._shm: ShmReducer | None = None
+        self._shm_threshold = _env_bytes("DTRUN_SHM_THRESHOLD", DEFAULT_SHM_THRESHOLD)
+        self._cross_comm: MPI.Intracomm | None = None
+        if use_shm and self.local_size > 1 and (self.nnodes == 1 or self._uniform_nodes):
+            if self.nnodes > 1:
+                # Ranks with the same local rank on every host: the inter-node step.
+                self._cross_comm = comm.Split(self.local_rank, self.node)
+            self._shm = ShmReducer(node_comm, self._cross_comm,
+                                   _env_bytes("DTRUN_SHM_CHUNK", DEFAULT_SHM_CHUNK))
+        self._opcache: dict[tuple[np.dtype, str], tuple] = {}
+        self._fusion_bufs: dict[np.dtype, np.ndarray] = {}
+        self._gpu = None  # collectives.gpu.GpuContext, created on first GPU array
+
+    # ------------------------------------------------------------------ helpers
+    def __repr__(self) -> str:
+        return (f"<collectives.Comm rank {self.rank}/{self.size} local {self.local_rank}/"
+                f"{self.local_size} node {self.node}/{self.nnodes} host {self.host}>")
+
+    def _err(self, cls, op: str, problem: str) -> CollectiveError:
+        return cls(op, self.rank, problem)
+
+    def _mpi_error(self, op: str, exc: Exception) -> CollectiveError:
+        text = exc.Get_error_string() if isinstance(exc, MPI.Exception) else str(exc)
+        hint = ""
+        if isinstance(exc, MPI.Exception) and exc.Get_error_class() == MPI.ERR_TRUNCATE:
+            hint = (" — a receive buffer is smaller than the message: ranks passed "
+                    "different lengths; run with DTRUN_CHECK=1 to find which")
+        return MPIError(op, self.rank, f"MPI error: {text}{hint}")
+
+    def _type(self, x: np.ndarray, op: str) -> MPI.Datatype:
+        """Validate a NumPy buffer; return its MPI datatype."""
+        t = _dt._MPI_TYPE.get(x.dtype)
+        if t is None:
+            raise self._err(UnsupportedDtypeError, op,
+                            f"dtype {x.dtype} is not supported; use one of "
+                            f"{', '.join(_dt.supported_dtypes())}")
+        if not x.flags.c_contiguous:
+            raise self._err(NotContiguousError, op,
+                            f"array of shape {x.shape} with strides {x.strides} is not "
+                            "C-contiguous; pass np.ascontiguousarray(x) (or x.contiguous() "
+                            "for a tensor)")
+        return t
+
+    def _redop(self, x: np.ndarray, op: str, opname: str) -> tuple:
+        """(mpi type, mpi op, kernel, average-finisher) for dtype and op; cached."""
+        try:
+            return self._opcache[(x.dtype, op)]
+        except (KeyError, TypeError):
+            pass
+        canon = _dt.OP_ALIASES.get(str(op).lower()) if isinstance(op, str) else None
+        if canon is None:
+            raise self._err(CollectiveError, opname,
+                            f"unknown reduction op {op!r}; use one of {', '.join(_dt.REDUCE_OPS)}")
+        t = self._type(x, opname)
+        problem = _dt.reduce_problem(x.dtype, canon)
+        if problem:
+            raise self._err(UnsupportedDtypeError, opname, problem)
+        entry = (t, _dt.mpi_op(x.dtype, canon), _dt.kernel(x.dtype, canon),
+                 _dt.divider(x.dtype, self.size) if canon == AVG else None, canon)
+        self._opcache[(x.dtype, op)] = entry
+        return entry
+
+    def _out(self, x: np.ndarray, out: Any, shape: tuple, op: str, xp=np) -> Any:
+        """Allocate ``out`` or check the one given (shape, dtype, contiguity)."""
+        if out is None:
+            return xp.empty(shape, dtype=x.dtype)
+        if out.dtype != x.dtype or tuple(out.shape) != tuple(shape):
+            raise self._err(ShapeError, op,
+                            f"out has shape {tuple(out.shape)} dtype {out.dtype}, expected "
+                            f"shape {tuple(shape)} dtype {x.dtype}")
+        if not out.flags.c_contiguous:
+            raise self._err(NotContiguousError, op, "out is not C-contiguous")
+        return out
+
+    def _rows(self, x: np.ndarray, op: str) -> int:
+        """Rows per rank when axis 0 of ``x`` is split evenly over the ranks."""
+        n = x.shape[0] if x.ndim else 1
+        if n % self.size:
+            raise self._err(ShapeError, op,
+                            f"axis 0 has length {n}, which {self.size} ranks cannot split "
+                            f"evenly; pad to a multiple of {self.size}")
+        return n // self.size
+
+    def _signature(self, opname: str, x: np.ndarray | None, redop: str | None = None,
+                   root: int = -1) -> None:
+        """DTRUN_CHECK mode: all ranks compare what they are about to call."""
+        sig = np.array([
+            _OP_CODES.get(opname, 99),
+            -1 if x is None else x.dtype.num * 1000 + x.dtype.itemsize,
+            -1 if x is None else x.size,
+            _REDOP_CODES.get(_dt.OP_ALIASES.get(str(redop).lower()) if redop else None, 9),
+            root,
+        ], dtype=np.int64)
+        table = np.empty((self.size, sig.size), dtype=np.int64)
+        self.mpi.Allgather(sig, table)
+        fields = ["operation", "dtype", "element count", "reduction op", "root"]
+        diffs = []
+        for i, name in enumerate(fields):
+            col = table[:, i]
+            if (col != col[0]).any():
+                if name == "element count" and opname in ("gatherv", "allgatherv"):
+                    continue
+                if x is None and name in ("dtype", "element count"):
+                    continue
+                detail = ", ".join(f"rank {k}: {self._describe(name, int(v))}"
+                                   for k, v in enumerate(col))
+                diffs.append(f"{name} differs ({detail})")
+        if diffs:
+            raise self._err(MismatchError, opname, "; ".join(diffs))
+
+    @staticmethod
+    def _describe(field: str, value: int) -> str:
+        if field == "operation":
+            return next((k for k, v in _OP_CODES.items() if v == value), str(value))
+        if field == "dtype" and value >= 0:
+            num, size = divmod(value, 1000)
+            for d in _dt._MPI_TYPE:
+                if d.num == num and d.itemsize == size:
+                    return _dt.dtype_name(d)
+        if field == "reduction op":
+            return next((str(k) for k, v in _REDOP_CODES.items() if v == value), str(value))
+        return str(value)
+
+    def _foreign(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Operations on non-NumPy arrays: torch CPU tensors, GPU arrays."""
+        from . import arrays
+        return arrays.dispatch(self, name, args, kwargs)
+
+    # ---------------------------------------------------------------- structure
+    def split(self, color: int | None, key: int = 0) -> "Comm | None":
+        """Sub-communicator of the ranks with the same ``color`` (collective).
+
+        Ranks passing ``color=None`` get None back. ``key`` orders ranks in the result.
+        """
+        sub = self.mpi.Split(MPI.UNDEFINED if color is None else int(color), key)
+        if sub == MPI.COMM_NULL:
+            return None
+        return Comm(sub, check=self.check, shm=self._shm is not None)
+
+    def split_by_node(self) -> "Comm":
+        """Sub-communicator of the ranks on this host (collective)."""
+        return Comm(self._node_comm.Dup(), check=self.check, shm=self._shm is not None)
+
+    def free(self) -> None:
+        """Release the shared-memory window (collective over the node)."""
+        if self._shm is not None:
+            self._shm.free()
+            self._shm = None
+
+    # ---------------------------------------------------------------- point to point
+    def send(self, x: Any, dest: int, tag: int = 0) -> None:
+        """Blocking send of array ``x`` to rank ``dest``."""
+        if type(x) is not np.ndarray:
+            return self._foreign("send", x, dest, tag)
+        t = self._type(x, "send")
+        try:
+            self.mpi.Send([x, t], dest, tag)
+        except MPI.Exception as e:
+            raise self._mpi_error("send", e) from None
+
+    def recv(self, out: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Any:
+        """Blocking receive into ``out`` (shape/dtype as sent); returns ``out``."""
+        if type(out) is not np.ndarray:
+            return self._foreign("recv", out, source, tag)
+        t = self._type(out, "recv")
+        try:
+            self.mpi.Recv([out, t], source, tag)
+        except MPI.Exception as e:
+            raise self._mpi_error("recv", e) from None
+        return out
+
+    def isend(self, x: Any, dest: int, tag: int = 0) -> Handle:
+        """Non-blocking send; ``wait()`` returns None. Do not modify ``x`` before."""
+        if type(x) is not np.ndarray:
+            return self._foreign("isend", x, dest, tag)
+        t = self._type(x, "isend")
+        return Handle(self.mpi.Isend([x, t], dest, tag), None, keep=x, op="isend")
+
+    def irecv(self, out: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Handle:
+        """Non-blocking receive into ``out``; ``wait()`` returns ``out``."""
+        if type(out) is not np.ndarray:
+            return self._foreign("irecv", out, source, tag)
+        t = self._type(out, "irecv")
+        return Handle(self.mpi.Irecv([out, t], source, tag), out, op="irecv")
+
+    def sendrecv(self, x: Any, dest: int, out: Any, source: int = ANY_SOURCE,
+                 sendtag: int = 0, recvtag: int = ANY_TAG) -> Any:
+        """Send ``x`` to ``dest`` and receive into ``out`` at once (no deadlock)."""
+        if type(x) is not np.ndarray or type(out) is not np.ndarray:
+            return self._foreign("sendrecv", x, dest, out, source, sendtag, recvtag)
+        t, u = self._type(x, "sendrecv"), self._type(out, "sendrecv")
+        try:
+            self.mpi.Sendrecv([x, t], dest, sendtag, [out, u], source, recvtag)
+        except MPI.Exception as e:
+            raise self._mpi_error("sendrecv", e) from None
+        return out
+
+    # ---------------------------------------------------------------- collectives
+    def barrier(self) -> None:
+        if self.check:
+            self._signature("barrier", None)
+        self.mpi.Barrier()
+
+    def allreduce(self, x: Any, op: str = SUM, out: Any = None, inplace: bool = False) -> Any:
+        """Reduce ``x`` over all ranks with ``op`` (sum, prod, min, max, avg); every rank
+        gets the result. Returns a new array, or ``out``, or ``x`` when ``inplace``."""
+        if type(x) is not np.ndarray:
+            return self._foreign("allreduce", x, op=op, out=out, inplace=inplace)
+        return self._allreduce(x, op, out, inplace, np)
+
+    def _allreduce(self, x, op, out, inplace, xp):
+        t, mop, kern, finish, canon = self._redop(x, op, "allreduce")
+        if not x.flags.c_contiguous:
+            self._type(x, "allreduce")
+        if self.check:
+            self._signature("allreduce", x, canon)
+        if inplace or out is x:
+            out = x
+            send = IN_PLACE
+        else:
+            out = self._out(x, out, x.shape, "allreduce", xp)
+            send = [x, t]
+        shm = self._shm
+        if shm is not None and xp is np and x.nbytes >= self._shm_threshold:
+            try:
+                shm.allreduce(x, out, kern, t, mop, finish)
+            except MPI.Exception as e:
+                raise self._mpi_error("allreduce", e) from None
+            return out
+        try:
+            self.mpi.Allreduce(send, [out, t], mop)
+        except MPI.Exception as e:
+            raise self._mpi_error("allreduce", e) from None
+        if finish is not None:
+            finish(out) if xp is np else xp.true_divide(out, self.size, out=out)
+        return out
+
+    def iallreduce(self, x: Any, op: str = SUM, out: Any = None, inplace: bool = False) -> Handle:
+        """Non-blocking allreduce (MPI_Iallreduce); ``wait()`` returns the result."""
+        if type(x) is not np.ndarray:
+            return self._foreign("iallreduce", x, op=op, out=out, inplace=inplace)
+        return self._iallreduce(x, op, out, inplace, np)
+
+    def _iallreduce(self, x, op, out, inplace, xp):
+        t, mop, _, finish, canon = self._redop(x, op, "iallreduce")
+        self._type(x, "iallreduce")
+        if self.check:
+            self._signature("allreduce", x, canon)
+        if inplace or out is x:
+            out, send = x, IN_PLACE
+        else:
+            out = self._out(x, out, x.shape, "iallreduce", xp)
+            send = [x, t]
+        post = None
+        if finish is not None:
+            n = self.size
+            post = (lambda r: (finish(r), r)[1]) if xp is np else \
+                (lambda r: (xp.true_divide(r, n, out=r), r)[1])
+        return Handle(self.mpi.Iallreduce(send, [out, t], mop), out, post, keep=x,
+                      op="iallreduce")
+
+    def reduce(self, x: Any, op: str = SUM, root: int = 0, out: Any = None,
+               inplace: bool = False) -> Any:
+        """Reduce ``x`` onto ``root``; returns the result on root, None elsewhere."""
+        if type(x) is not np.ndarray:
+            return self._foreign("reduce", x, op=op, root=root, out=out, inplace=inplace)
+        return self._reduce(x, op, root, out, inplace, np)
+
+    def _reduce(self, x, op, root, out, inplace, xp):
+        t, mop, _, finish, canon = self._redop(x, op, "reduce")
+        self._type(x, "reduce")
+        if self.check:
+            self._signature("reduce", x, canon, root)
+        is_root = self.rank == root
+        if is_root:
+            if inplace or out is x:
+                out, send = x, IN_PLACE
+            else:
+                out = self._out(x, out, x.shape, "reduce", xp)
+                send = [x, t]
+            recv = [out, t]
+        else:
+            send, recv, out = [x, t], None, None
+        try:
+            self.mpi.Reduce(send, recv, mop, root)
+        except MPI.Exception as e:
+            raise self._mpi_error("reduce", e) from None
+        if is_root and finish is not None:
+            finish(out) if xp is np else xp.true_divide(out, self.size, out=out)
+        return out
+
+    def ireduce(self, x: Any, op: str = SUM, root: int = 0, out: Any = None,
+                inplace: bool = False) -> Handle:
+        """Non-blocking reduce; ``wait()`` returns the result on root, None elsewhere."""
+        if type(x) is not np.ndarray:
+            return self._foreign("ireduce", x, op=op, root=root, out=out, inplace=inplace)
+        t, mop, _, finish, canon = self._redop(x, op, "ireduce")
+        self._type(x, "ireduce")
+        if self.check:
+            self._signature("reduce", x, canon, root)
+        if self.rank == root:
+            if inplace or out is x:
+                out, send = x, IN_PLACE
+            else:
+                out, send = self._out(x, out, x.shape, "ireduce"), [x, t]
+            recv = [out, t]
+        else:
+            send, recv, out = [x, t], None, None
+        post = (lambda r: (finish(r), r)[1]) if (finish is not None and out is not None) else None
+        return Handle(self.mpi.Ireduce(send, recv, mop, root), out, post, keep=x, op="ireduce")
+
+    def broadcast(self, x: Any, root: int = 0, out: Any = None, inplace: bool = False) -> Any:
+        """Copy root's ``x`` to every rank. Non-root ranks pass an array of the same
+        shape/dtype (its values are ignored unless ``inplace``, where it is overwritten)."""
+        if type(x) is not np.ndarray:
+            return self._foreign("broadcast", x, root=root, out=out, inplace=inplace)
+        return self._broadcast(x, root, out, inplace, np)
+
+    def _broadcast(self, x, root, out, inplace, xp):
+        t = self._type(x, "broadcast")
+        if self.check:
+            self._signature("broadcast", x, None, root)
+        if not (inplace or out is x):
+            out = self._out(x, out, x.shape, "broadcast", xp)
+            if self.rank == root:
+                xp.copyto(out, x)
+        else:
+            out = x
+        try:
+            self.mpi.Bcast([out, t], root)
+        except MPI.Exception as e:
+            raise self._mpi_error("broadcast", e) from None
+        return out
+
+    def ibroadcast(self, x: Any, root: int = 0, out: Any = None, inplace: bool = False) -> Handle:
+        """Non-blocking broadcast (MPI_Ibcast)."""
+        if type(x) is not np.ndarray:
+            return self._foreign("ibroadcast", x, root=root, out=out, inplace=inplace)
+        t = self._type(x, "ibroadcast")
+        if self.check:
+            self._signature("broadcast", x, None, root)
+        if not (inplace or out is x):
+            out = self._out(x, out, x.shape, "ibroadcast")
+            if self.rank == root:
+                np.copyto(out, x)
+        else:
+            out = x
+        return Handle(self.mpi.Ibcast([out, t], root), out, op="ibroadcast")
+
+    def scatter(self, x: Any, root: int = 0, out: Any = None, inplace: bool = False) -> Any:
+        """Split root's ``x`` along axis 0 into ``size`` equal parts; rank i gets part i.
+
+        Every rank passes ``x`` of the full shape (non-root contents are ignored), or
+        ``x=None`` with ``out``. In place, each rank's part lands in its own rows of
+        ``x`` (root's stays where it is) and a view of those rows is returned.
+        """
+        if x is not None and type(x) is not np.ndarray:
+            return self._foreign("scatter", x, root=root, out=out, inplace=inplace)
+        if x is None and out is not None and type(out) is not np.ndarray:
+            return self._foreign("scatter", x, root=root, out=out, inplace=inplace)
+        return self._scatter(x, root, out, inplace, np)
+
+    def _scatter(self, x, root, out, inplace, xp):
+        is_root = self.rank == root
+        if x is None:
+            if is_root or out is None or inplace:
+                raise self._err(ShapeError, "scatter", "x=None is allowed only on non-root "
+                                "ranks that pass out")
+            t = self._type(out, "scatter")
+            if self.check:
+                self._signature("scatter", out, None, root)
+            return self._scatter_call(None, [out, t], root, out)
+        t = self._type(x, "scatter")
+        rows = self._rows(x, "scatter")
+        if self.check:
+            self._signature("scatter", x, None, root)
+        part = x[self.rank * rows:(self.rank + 1) * rows]
+        if inplace:
+            if is_root:
+                return self._scatter_call([x, t], IN_PLACE, root, part)
+            return self._scatter_call(None, [part, t], root, part)
+        out = self._out(x, out, (rows,) + tuple(x.shape[1:]), "scatter", xp)
+        return self._scatter_call([x, t] if is_root else None, [out, t], root, out)
+
+    def _scatter_call(self, send, recv, root, result):
+        try:
+            self.mpi.Scatter(send, recv, root)
+        except MPI.Exception as e:
+            raise self._mpi_error("scatter", e) from None
+        return result
+
+    def gather(self, x: Any, root: int = 0, out: Any = None, inplace: bool = False) -> Any:
+        """Concatenate every rank's ``x`` along axis 0 on ``root`` (equal shapes).
+
+        Returns the result on root, None elsewhere. In place, ``x`` is the full-size
+        array on every rank, each rank's part already in its own rows.
+        """
+        if type(x) is not np.ndarray:
+            return self._foreign("gather", x, root=root, out=out, inplace=inplace)
+        return self._gather(x, root, out, inplace, np)
+
+    def _gather(self, x, root, out, inplace, xp):
+        t = self._type(x, "gather")
+        if self.check:
+            self._signature("gather", x, None, root)
+        is_root = self.rank == root
+        try:
+            if inplace:
+                rows = self._rows(x, "gather")
+                if is_root:
+                    self.mpi.Gather(IN_PLACE, [x, t], root)
+                    return x
+                part = x[self.rank * rows:(self.rank + 1) * rows]
+                self.mpi.Gather([part, t], None, root)
+                return None
+            if is_root:
+                shape = (self.size * (x.shape[0] if x.ndim else 1),) + tuple(x.shape[1:])
+                out = self._out(x, out, shape, "gather", xp)
+                self.mpi.Gather([x, t], [out, t], root)
+                return out
+            self.mpi.Gather([x, t], None, root)
+            return None
+        except MPI.Exception as e:
+            raise self._mpi_error("gather", e) from None
+
+    def allgather(self, x: Any, out: Any = None, inplace: bool = False) -> Any:
+        """Concatenate every rank's ``x`` (equal shapes) along axis 0, on every rank.
+
+        In place, ``x`` is the full-size array with this rank's part in its rows.
+        For per-rank lengths that differ, use ``allgatherv``.
+        """
+        if type(x) is not np.ndarray:
+            return self._foreign("allgather", x, out=out, inplace=inplace)
+        return self._allgather(x, out, inplace, np)
+
+    def _allgather(self, x, out, inplace, xp):
+        t = self._type(x, "allgather")
+        if self.check:
+            self._signature("allgather", x)
+        try:
+            if inplace or out is x:
+                self._rows(x, "allgather")
+                self.mpi.Allgather(IN_PLACE, [x, t])
+                return x
+            shape = (self.size * (x.shape[0] if x.ndim else 1),) + tuple(x.shape[1:])
+            out = self._out(x, out, shape, "allgather", xp)
+            self.mpi.Allgather([x, t], [out, t])
+            return out
+        except MPI.Exception as e:
+            raise self._mpi_error("allgather", e) from None
+
+    def iallgather(self, x: Any, out: Any = None, inplace: bool = False) -> Handle:
+        """Non-blocking allgather (MPI_Iallgather)."""
+        if type(x) is not np.ndarray:
+            return self._foreign("iallgather", x, out=out, inplace=inplace)
+        t = self._type(x, "iallgather")
+        if self.check:
+            self._signature("allgather", x)
+        if inplace or out is x:
+            self._rows(x, "iallgather")
+            return Handle(self.mpi.Iallgather(IN_PLACE, [x, t]), x, op="iallgather")
+        shape = (self.size * (x.shape[0] if x.ndim else 1),) + tuple(x.shape[1:])
+        out = self._out(x, out, shape, "iallgather")
+        return Handle(self.mpi.Iallgather([x, t], [out, t]), out, keep=x, op="iallgather")
+
+    def _counts(self, x: np.ndarray, opname: str) -> tuple[list[int], list[int], list[int]]:
+        """Exchange per-rank row counts plus dtype/trailing shape; raise on mismatch."""
+        trailing = tuple(x.shape[1:])
+        sig = np.array([x.shape[0] if x.ndim else 1, x.dtype.num * 1000 + x.dtype.itemsize,
+                        hash(trailing) & 0x7FFFFFFFFFFF], dtype=np.int64)
+        table = np.empty((self.size, 3), dtype=np.int64)
+        self.mpi.Allgather(sig, table)
+        bad = [k for k in range(self.size) if table[k, 1] != sig[1]]
+        if bad:
+            kinds = ", ".join(f"rank {k}: {self._describe('dtype', int(table[k, 1]))}"
+                              for k in range(self.size))
+            raise self._err(MismatchError, opname, f"dtypes differ across ranks ({kinds})")
+        bad = [k for k in range(self.size) if table[k, 2] != table[0, 2]]
+        if bad:
+            raise self._err(MismatchError, opname,
+                            f"trailing shapes differ across ranks (this rank: {trailing}; "
+                            f"ranks {bad} differ from rank 0); only axis 0 may vary")
+        rows = [int(v) for v in table[:, 0]]
+        per_row = int(np.prod(trailing)) if trailing else 1
+        counts = [r * per_row for r in rows]
+        displs = [0] * self.size
+        for k in range(1, self.size):
+            displs[k] = displs[k - 1] + counts[k - 1]
+        return rows, counts, displs
+
+    def allgatherv(self, x: Any, out: Any = None) -> Any:
+        """Concatenate every rank's ``x`` along axis 0 on every rank; lengths may differ.
+
+        Always checks that dtype and trailing shape agree (raises MismatchError).
+        """
+        if type(x) is not np.ndarray:
+            return self._foreign("allgatherv", x, out=out)
+        return self._allgatherv(x, out, np)
+
+    def _allgatherv(self, x, out, xp):
+        t = self._type(x, "allgatherv")
+        if self.check:
+            self._signature("allgatherv", x)
+        rows, counts, displs = self._counts(x, "allgatherv")
+        out = self._out(x, out, (sum(rows),) + tuple(x.shape[1:]), "allgatherv", xp)
+        try:
+            self.mpi.Allgatherv([x, t], [out, (counts, displs), t])
+        except MPI.Exception as e:
+            raise self._mpi_error("allgatherv", e) from None
+        return out
+
+    def gatherv(self, x: Any, root: int = 0, out: Any = None) -> Any:
+        """Like ``gather`` but per-rank lengths along axis 0 may differ."""
+        if type(x) is not np.ndarray:
+            return self._foreign("gatherv", x, root=root, out=out)
+        return self._gatherv(x, root, out, np)
+
+    def _gatherv(self, x, root, out, xp):
+        t = self._type(x, "gatherv")
+        if self.check:
+            self._signature("gatherv", x, None, root)
+        rows, counts, displs = self._counts(x, "gatherv")
+        try:
+            if self.rank == root:
+                out = self._out(x, out, (sum(rows),) + tuple(x.shape[1:]), "gatherv", xp)
+                self.mpi.Gatherv([x, t], [out, (counts, displs), t], root)
+                return out
+            self.mpi.Gatherv([x, t], None, root)
+            return None
+        except MPI.Exception as e:
+            raise self._mpi_error("gatherv", e) from None
+
+    def reduce_scatter(self, x: Any, op: str = SUM, out: Any = None,
+                       inplace: bool = False) -> Any:
+        """Reduce ``x`` over ranks and give rank i the i-th of ``size`` equal parts
+        (along axis 0). In place, the result is the first part of ``x`` (a view)."""
+        if type(x) is not np.ndarray:
+            return self._foreign("reduce_scatter", x, op=op, out=out, inplace=inplace)
+        return self._reduce_scatter(x, op, out, inplace, np)
+
+    def _reduce_scatter(self, x, op, out, inplace, xp):
+        t, mop, _, finish, canon = self._redop(x, op, "reduce_scatter")
+        self._type(x, "reduce_scatter")
+        rows = self._rows(x, "reduce_scatter")
+        if self.check:
+            self._signature("reduce_scatter", x, canon)
+        try:
+            if inplace:
+                self.mpi.Reduce_scatter_block(IN_PLACE, [x, t], mop)
+                out = x[:rows]
+            else:
+                out = self._out(x, out, (rows,) + tuple(x.shape[1:]), "reduce_scatter", xp)
+                self.mpi.Reduce_scatter_block([x, t], [out, t], mop)
+        except MPI.Exception as e:
+            raise self._mpi_error("reduce_scatter", e) from None
+        if finish is not None:
+            finish(out) if xp is np else xp.true_divide(out, self.size, out=out)
+        return out
+
+    def ireduce_scatter(self, x: Any, op: str = SUM, out: Any = None) -> Handle:
+        """Non-blocking reduce_scatter (MPI_Ireduce_scatter_block)."""
+        if type(x) is not np.ndarray:
+            return self._foreign("ireduce_scatter", x, op=op, out=out)
+        t, mop, _, finish, canon = self._redop(x, op, "ireduce_scatter")
+        self._type(x, "ireduce_scatter")
+        rows = self._rows(x, "ireduce_scatter")
+        if self.check:
+            self._signature("reduce_scatter", x, canon)
+        out = self._out(x, out, (rows,) + tuple(x.shape[1:]), "ireduce_scatter")
+        post = (lambda r: (finish(r), r)[1]) if finish is not None else None
+        return Handle(self.mpi.Ireduce_scatter_block([x, t], [out, t], mop), out, post,
+                      keep=x, op="ireduce_scatter")
+
+    def alltoall(self, x: Any, out: Any = None, inplace: bool = False) -> Any:
+        """Rank i sends part j of ``x`` (axis 0 in ``size`` equal parts) to rank j and
+        receives rank j's part i into part j of the result."""
+        if type(x) is not np.ndarray:
+            return self._foreign("alltoall", x, out=out, inplace=inplace)
+        return self._alltoall(x, out, inplace, np)
+
+    def _alltoall(self, x, out, inplace, xp):
+        t = self._type(x, "alltoall")
+        self._rows(x, "alltoall")
+        if self.check:
+            self._signature("alltoall", x)
+        try:
+            if inplace or out is x:
+                self.mpi.Alltoall(IN_PLACE, [x, t])
+                return x
+            out = self._out(x, out, x.shape, "alltoall", xp)
+            self.mpi.Alltoall([x, t], [out, t])
+            return out
+        except MPI.Exception as e:
+            raise self._mpi_error("alltoall", e) from None
+
+    def ialltoall(self, x: Any, out: Any = None) -> Handle:
+        """Non-blocking alltoall (MPI_Ialltoall)."""
+        if type(x) is not np.ndarray:
+            return self._foreign("ialltoall", x, out=out)
+        t = self._type(x, "ialltoall")
+        self._rows(x, "ialltoall")
+        if self.check:
+            self._signature("alltoall", x)
+        out = self._out(x, out, x.shape, "ialltoall")
+        return Handle(self.mpi.Ialltoall([x, t], [out, t]), out, keep=x, op="ialltoall")
+
+    # ---------------------------------------------------------------- fusion
+    def grouped_allreduce(self, arrays: Sequence[Any], op: str = SUM,
+                          fusion_threshold: int | None = None) -> list[Any]:
+        """Allreduce many arrays, packed into few buffers; results land in place.
+
+        Arrays of the same dtype are copied, in order, into one fusion buffer of at
+        most ``fusion_threshold`` bytes (default: env ``DTRUN_FUSION_THRESHOLD`` or
+        64 MiB, as Horovod's HOROVOD_FUSION_THRESHOLD); each full buffer is reduced with
+        one allreduce and copied back. An array larger than the threshold is reduced on
+        its own. Returns ``arrays`` (same objects, updated). All ranks must pass the
+        same list of shapes and dtypes.
+        """
+        threshold = self.fusion_threshold if fusion_threshold is None else int(fusion_threshold)
+        if not arrays:
+            return list(arrays)
+        if any(type(a) is not np.ndarray for a in arrays):
+            return self._foreign("grouped_allreduce", list(arrays), op=op,
+                                 fusion_threshold=threshold)
+        if self.check:
+            sig = np.array([len(arrays), sum(a.size for a in arrays)], dtype=np.int64)
+            self._signature("grouped_allreduce", sig)
+        groups: dict[np.dtype, list[np.ndarray]] = {}
+        for a in arrays:
+            self._type(a, "grouped_allreduce")
+            groups.setdefault(a.dtype, []).append(a)
+        for dtype in sorted(groups, key=lambda d: d.str):  # same order on every rank
+            batch: list[np.ndarray] = []
+            nbytes = 0
+            for a in groups[dtype]:
+                if a.nbytes >= threshold:
+                    self._allreduce(a, op, None, True, np)
+                    continue
+                if nbytes + a.nbytes > threshold:
+                    self._reduce_fused(batch, nbytes, op)
+                    batch, nbytes = [], 0
+                batch.append(a)
+                nbytes += a.nbytes
+            if batch:
+                self._reduce_fused(batch, nbytes, op)
+        return list(arrays)
+
+    def _reduce_fused(self, batch: list[np.ndarray], nbytes: int, op: str) -> None:
+        dtype = batch[0].dtype
+        if len(batch) == 1:
+            self._allreduce(batch[0], op, None, True, np)
+            return
+        count = nbytes // dtype.itemsize
+        buf = self._fusion_bufs.get(dtype)
+        if buf is None or buf.size < count:
+            buf = self._fusion_bufs[dtype] = np.empty(max(count, 1024), dtype=dtype)
+        flat = buf[:count]
+        np.concatenate([a.reshape(-1) for a in batch], out=flat)
+        self._allreduce(flat, op, None, True, np)
+        pos = 0
+        for a in batch:
+            k = a.size
+            a.reshape(-1)[...] = flat[pos:pos + k]
+            pos += k
+
+
+_WORLD: Comm | None = None
+
+
+def world() -> Comm:
+    """The communicator over all ranks (created on first use; collective then)."""
+    global _WORLD
+    if _WORLD is None:
+        _WORLD = Comm(MPI.COMM_WORLD)
+    return _WORLD
+
+
+def init() -> Comm:
+    """Initialise MPI (mpi4py does on import) and return ``world()``."""
+    return world()
