@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -62,10 +61,12 @@ def parse_marker(line: str) -> Optional[RankFailure]:
     return RankFailure(rank, host, code=int(value))
 
 
-def exit_code_for(mpirun_rc: int, failures: Sequence[RankFailure], interrupted: bool) -> int:
-    """dtrun's exit code: 130 on Ctrl-C; the job's code; never 0 for a job killed by a signal."""
+def exit_code_for(mpirun_rc: int, failures: Sequence[RankFailure], interrupted: bool,
+                  signum: int = signal.SIGINT) -> int:
+    """dtrun's exit code: 130 on Ctrl-C (128+N for another signal N that stopped dtrun);
+    otherwise the job's code; never 0 for a job killed by a signal."""
     if interrupted:
-        return ExitCode.INTERRUPTED
+        return ExitCode.INTERRUPTED if signum == signal.SIGINT else signal_exit_code(signum)
     if mpirun_rc < 0:
         return signal_exit_code(-mpirun_rc)
     if mpirun_rc == 0:
@@ -141,26 +142,28 @@ def run_job(argv: Sequence[str], env: Optional[dict] = None) -> JobResult:
         except (ProcessLookupError, PermissionError):
             pass
 
+    def escalate_later(delay: float) -> None:
+        """If mpirun is still running after ``delay``, take the next step (SIGTERM, then SIGKILL)."""
+        def step():
+            if proc.poll() is None:
+                escalate()
+                if state["stage"] < 3:
+                    escalate_later(TERM_GRACE_S)
+        t = threading.Timer(delay, step)
+        t.daemon = True
+        t.start()
+
     def on_signal(signum, _frame):
+        first = not state["interrupted"]
         state["interrupted"] = True
+        state.setdefault("signum", signum)
         escalate()
+        if first:
+            escalate_later(INTERRUPT_GRACE_S)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        deadline = None
-        while True:
-            try:
-                proc.wait(timeout=0.2)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            if state["interrupted"]:
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + INTERRUPT_GRACE_S
-                elif now > deadline:
-                    escalate()
-                    deadline = now + TERM_GRACE_S
+        proc.wait()  # signals interrupt the wait, run on_signal, and the wait resumes (PEP 475)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -172,7 +175,7 @@ def run_job(argv: Sequence[str], env: Optional[dict] = None) -> JobResult:
         fb = pump.fallback_failure()
         if fb:
             failures.append(fb)
-    rc = exit_code_for(proc.returncode, failures, state["interrupted"])
+    rc = exit_code_for(proc.returncode, failures, state["interrupted"], state.get("signum", signal.SIGINT))
     return JobResult(rc, proc.returncode, failures, state["interrupted"])
 
 

@@ -146,6 +146,7 @@ def test_exit_code_mapping():
     assert exit_code_for(-signal.SIGKILL, [], False) == 128 + 9
     assert exit_code_for(0, [RankFailure("1", "h", signum=9)], False) == 137  # never 0 for a killed rank
     assert exit_code_for(1, [], True) == ExitCode.INTERRUPTED == 130
+    assert exit_code_for(0, [], True, signal.SIGTERM) == 143
     assert int(ExitCode.USAGE) == 2 and int(ExitCode.FAILED) == 1
 
 
