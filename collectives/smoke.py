@@ -1,0 +1,382 @@
+"""Smoke test: every collective, several dtypes and sizes, checked on every rank.
+
+Run under a launcher, e.g. ``dtrun -np 4 python -m collectives.smoke`` (``dtrun
+smoke`` calls ``main``). Inputs are small integers, so every expected value is exact
+in every dtype (bfloat16 holds integers up to 256 exactly) and results are compared
+bit for bit. Rank 0 gathers what each rank saw and prints one table.
+
+A collective that does not finish within ``--timeout`` seconds is reported as a hang
+("HANG: allreduce float32 n=1023 did not complete within 30 s on rank 1 (host)") by a
+watchdog thread, which then aborts the job with exit code 3 instead of waiting
+forever.
+
+Exit codes: 0 all values right on all ranks; 1 a wrong value somewhere; 2 bad usage;
+3 a hang.
+
+Test-only hooks (used by the test suite to prove the checks can fail; never set them
+otherwise): ``DTRUN_SMOKE_INJECT_ERROR=op:rank`` corrupts one value of ``op`` on
+``rank``; ``DTRUN_SMOKE_INJECT_HANG=op:rank`` makes ``rank`` never enter ``op``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from enum import IntEnum
+from typing import Any, Callable
+
+OPS = ("sendrecv", "broadcast", "scatter", "gather", "reduce", "allreduce", "allgather",
+       "allgatherv", "reduce_scatter", "alltoall", "iallreduce", "grouped")
+DTYPES = ("float32", "float64", "int32", "int64", "float16", "bfloat16")
+SIZES = (0, 1, 1023, 100003)  # empty, one element, odd, big enough for the shm path
+
+
+class SmokeExit(IntEnum):
+    OK = 0
+    WRONG = 1
+    USAGE = 2
+    HANG = 3
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m collectives.smoke",
+                                description="Check every collective on every rank.")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds one collective may take before it counts as a hang")
+    p.add_argument("--json", action="store_true", help="print machine-readable results")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--ops", default="all",
+                   help=f"comma-separated subset of: {', '.join(OPS)}")
+    p.add_argument("--dtypes", default="all", help=f"subset of: {', '.join(DTYPES)}")
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                   help="element counts per rank, comma-separated")
+    args = p.parse_args(argv)
+    args.ops = list(OPS) if args.ops == "all" else [o.strip() for o in args.ops.split(",")]
+    unknown = [o for o in args.ops if o not in OPS]
+    if unknown:
+        p.error(f"unknown op(s) {', '.join(unknown)}; choose from {', '.join(OPS)}")
+    args.dtypes = list(DTYPES) if args.dtypes == "all" else args.dtypes.split(",")
+    unknown = [d for d in args.dtypes if d not in DTYPES]
+    if unknown:
+        p.error(f"unknown dtype(s) {', '.join(unknown)}; choose from {', '.join(DTYPES)}")
+    try:
+        args.sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        p.error(f"--sizes must be integers, got {args.sizes!r}")
+    return args
+
+
+def _inject(var: str) -> tuple[str, int] | None:
+    raw = os.environ.get(var, "")
+    if ":" not in raw:
+        return None
+    op, rank = raw.split(":", 1)
+    return op.strip(), int(rank)
+
+
+class Watchdog(threading.Thread):
+    """Aborts the job when the armed collective runs past its deadline."""
+
+    def __init__(self, timeout: float, rank: int, host: str) -> None:
+        super().__init__(daemon=True, name="smoke-watchdog")
+        self.timeout, self.rank, self.host = timeout, rank, host
+        self.label: str | None = None
+        self.deadline = 0.0
+
+    def arm(self, label: str) -> None:
+        self.label, self.deadline = label, time.monotonic() + self.timeout
+
+    def disarm(self) -> None:
+        self.label = None
+
+    def run(self) -> None:
+        while True:
+            time.sleep(min(0.1, self.timeout / 10))
+            label = self.label
+            if label is not None and time.monotonic() > self.deadline:
+                print(f"HANG: {label} did not complete within {self.timeout:g} s on rank "
+                      f"{self.rank} ({self.host}); a rank never entered it or the network "
+                      "stalls — check that all ranks run the same program", flush=True)
+                sys.stderr.flush()
+                try:
+                    from mpi4py import MPI
+                    MPI.COMM_WORLD.Abort(int(SmokeExit.HANG))
+                finally:
+                    os._exit(int(SmokeExit.HANG))
+
+
+class Arrays:
+    """Makes test inputs in the chosen array library and reads results back."""
+
+    def __init__(self, device: str) -> None:
+        from . import dtypes as dt
+        self.dt = dt
+        self.device = device
+        self.lib = "numpy"
+        if device == "cuda":
+            from . import gpu
+            gpu.select_device()
+            try:
+                import torch  # noqa: F401
+                self.lib = "torch"
+            except ImportError:
+                self.lib = "cupy"
+
+    def dtype(self, name: str):
+        import numpy as np
+        return self.dt.BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+    def make(self, values, name: str):
+        a = self.dt.from_float64(values, self.dtype(name))
+        if self.lib == "torch":
+            import torch
+            from .arrays import numpy_to_torch
+            return numpy_to_torch(a).to("cuda")
+        if self.lib == "cupy":
+            import cupy
+            return cupy.asarray(a)
+        return a
+
+    def read(self, a):
+        import numpy as np
+        if a is None:
+            return None
+        if self.lib == "torch":
+            import torch
+            t = a.detach().cpu()
+            if t.dtype == torch.bfloat16:
+                t = t.view(torch.int16)
+                return self.dt.to_float64(t.numpy().view(self.dt.BFLOAT16))
+            return t.numpy().astype(np.float64)
+        if self.lib == "cupy":
+            import cupy
+            return cupy.asnumpy(a).astype(np.float64)
+        return self.dt.to_float64(np.asarray(a))
+
+
+def _pattern(n: int, shift: int):
+    import numpy as np
+    return ((np.arange(n) + shift) % 3 + 1).astype(np.float64)
+
+
+def _cases(comm, A: Arrays, op: str, dname: str, n: int) -> list[tuple[str, Callable, Any]]:
+    """(variant, run() -> result, expected float64 array or None) for one op."""
+    import numpy as np
+    size, rank = comm.size, comm.rank
+    floating = dname.startswith(("float", "bfloat"))
+    x = lambda: A.make(_pattern(n, rank), dname)  # noqa: E731
+    blocks = lambda f: np.concatenate([f(k) for k in range(size)]) if size else None  # noqa
+    cases: list[tuple[str, Callable, Any]] = []
+    if op == "sendrecv":
+        right, left = (rank + 1) % size, (rank - 1) % size
+        cases.append(("ring", lambda: comm.sendrecv(x(), right, A.make(np.zeros(n), dname),
+                                                    left), _pattern(n, left)))
+    elif op == "broadcast":
+        root = size - 1
+        cases.append(("out", lambda: comm.broadcast(x(), root=root), _pattern(n, root)))
+        cases.append(("inplace", lambda: comm.broadcast(x(), root=0, inplace=True),
+                      _pattern(n, 0)))
+    elif op == "scatter":
+        full = lambda: A.make(blocks(lambda k: _pattern(n, 10 * k)), dname)  # noqa: E731
+        cases.append(("out", lambda: comm.scatter(full(), root=0), _pattern(n, 10 * rank)))
+    elif op == "gather":
+        root = size - 1
+        exp = blocks(lambda k: _pattern(n, k)) if rank == root else None
+        cases.append(("out", lambda: comm.gather(x(), root=root), exp))
+    elif op == "reduce":
+        exp = sum(_pattern(n, k) for k in range(size)) if rank == 0 else None
+        cases.append(("sum", lambda: comm.reduce(x(), op="sum", root=0), exp))
+    elif op == "allreduce":
+        total = sum(_pattern(n, k) for k in range(size))
+        cases.append(("sum", lambda: comm.allreduce(x()), total))
+        cases.append(("sum-inplace", lambda: comm.allreduce(x(), inplace=True), total))
+        mm = lambda k: ((np.arange(n) + k) % size).astype(np.float64)  # noqa: E731
+        cases.append(("min", lambda: comm.allreduce(A.make(mm(rank), dname), op="min"),
+                      np.zeros(n)))
+        cases.append(("max", lambda: comm.allreduce(A.make(mm(rank), dname), op="max"),
+                      np.full(n, size - 1.0)))
+        two = lambda: A.make(1.0 + (mm(rank) == 0), dname)  # noqa: E731 one 2 per element
+        cases.append(("prod", lambda: comm.allreduce(two(), op="prod"), np.full(n, 2.0)))
+        if floating:
+            cases.append(("avg", lambda: comm.allreduce(A.make(np.full(n, float(rank)), dname),
+                                                        op="avg"),
+                          np.full(n, (size - 1) / 2)))
+    elif op == "allgather":
+        cases.append(("out", lambda: comm.allgather(x()), blocks(lambda k: _pattern(n, k))))
+    elif op == "allgatherv":
+        mine = lambda: A.make(_pattern(n + rank, rank), dname)  # noqa: E731
+        cases.append(("v", lambda: comm.allgatherv(mine()),
+                      blocks(lambda k: _pattern(n + k, k))))
+    elif op == "reduce_scatter":
+        full = lambda: A.make(blocks(lambda k: _pattern(n, k + rank)), dname)  # noqa: E731
+        cases.append(("sum", lambda: comm.reduce_scatter(full()),
+                      sum(_pattern(n, rank + k) for k in range(size))))
+    elif op == "alltoall":
+        # Rank r sends block j = pattern(n, 100r + j); receives block j = pattern(n, 100j + r).
+        full = lambda: A.make(blocks(lambda j: _pattern(n, 100 * rank + j)), dname)  # noqa
+        cases.append(("out", lambda: comm.alltoall(full()),
+                      blocks(lambda j: _pattern(n, 100 * j + rank))))
+    elif op == "iallreduce":
+        total = sum(_pattern(n, k) for k in range(size))
+        cases.append(("sum", lambda: comm.iallreduce(x()).wait(), total))
+    elif op == "grouped":
+        sizes = (n, 1, n + 5)
+        exp = np.concatenate([sum(_pattern(m, k) for k in range(size)) for m in sizes])
+
+        def run():
+            arrs = [A.make(_pattern(m, rank), dname) for m in sizes]
+            comm.grouped_allreduce(arrs, fusion_threshold=4096)
+            return arrs
+        cases.append(("fused", run, exp))
+    return cases
+
+
+def run_checks(comm, A: Arrays, args, watchdog: Watchdog) -> dict[str, dict]:
+    """Run every selected op; return {op: {"ok": bool, "detail": str, "checks": int}}."""
+    import numpy as np
+    err_inject = _inject("DTRUN_SMOKE_INJECT_ERROR")
+    hang_inject = _inject("DTRUN_SMOKE_INJECT_HANG")
+    results: dict[str, dict] = {}
+    for op in args.ops:
+        entry = {"ok": True, "detail": "", "checks": 0}
+        results[op] = entry
+        for dname in args.dtypes:
+            for n in args.sizes:
+                for variant, run, expected in _cases(comm, A, op, dname, n):
+                    label = f"{op} {dname} n={n}" + (f" ({variant})" if variant else "")
+                    if hang_inject == (op, comm.rank):
+                        print(f"[test hook] rank {comm.rank} skips {label}", flush=True)
+                        while True:  # never enter the collective
+                            time.sleep(1)
+                    watchdog.arm(label)
+                    try:
+                        result = run()
+                        if isinstance(result, list):
+                            got = np.concatenate([A.read(r).reshape(-1) for r in result])
+                        else:
+                            got = A.read(result)
+                    except Exception as e:  # report, keep the table complete
+                        watchdog.disarm()
+                        if entry["ok"]:
+                            entry.update(ok=False, detail=f"{label}: {type(e).__name__}: {e}")
+                        continue
+                    watchdog.disarm()
+                    entry["checks"] += 1
+                    if got is not None and err_inject == (op, comm.rank) and got.size:
+                        got = got.copy()
+                        got.reshape(-1)[0] += 1  # test hook: one wrong value
+                    problem = _compare(got, expected)
+                    if problem and entry["ok"]:
+                        entry.update(ok=False, detail=f"{label}: {problem}")
+    return results
+
+
+def _compare(got, expected) -> str | None:
+    import numpy as np
+    if expected is None:
+        return None if got is None else "expected no result on this rank"
+    if got is None:
+        return "no result"
+    got = np.asarray(got).reshape(-1)
+    expected = np.asarray(expected, dtype=np.float64).reshape(-1)
+    if got.shape != expected.shape:
+        return f"got {got.size} elements, expected {expected.size}"
+    bad = np.flatnonzero(got != expected)
+    if bad.size:
+        i = int(bad[0])
+        return f"{bad.size} wrong values, first at [{i}]: got {got[i]:g}, expected {expected[i]:g}"
+    return None
+
+
+def render(rows: list[dict], ops: list[str], as_json: bool, ok: bool) -> str:
+    """The one table (or JSON document) rank 0 prints."""
+    if as_json:
+        return json.dumps({"ok": ok, "ops": ops, "ranks": rows}, indent=2)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # plain text fallback
+        head = ["rank", "host", "local", "device"] + ops
+        lines = ["  ".join(head)]
+        for r in rows:
+            lines.append("  ".join([str(r["rank"]), r["host"], str(r["local_rank"]), r["device"]]
+                                   + ["ok" if r["results"][o]["ok"] else "FAIL" for o in ops]))
+        return "\n".join(lines)
+    table = Table(title="collectives smoke test", show_lines=False)
+    for col in ("rank", "host", "local", "device"):
+        table.add_column(col)
+    for op in ops:
+        table.add_column(op, justify="center")
+    for r in rows:
+        table.add_row(str(r["rank"]), r["host"], str(r["local_rank"]), r["device"],
+                      *["[green]ok[/]" if r["results"][o]["ok"] else "[red bold]FAIL[/]"
+                        for o in ops])
+    import io
+    buf = io.StringIO()
+    Console(file=buf, width=max(120, 30 + 12 * len(ops)), force_terminal=False,
+            color_system=None).print(table)
+    return buf.getvalue().rstrip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the smoke test on all ranks; return the exit code (same on every rank)."""
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:
+        return int(SmokeExit.USAGE) if e.code else 0
+    import numpy as np
+
+    from . import comm as comm_mod
+    comm = comm_mod.world()
+    watchdog = Watchdog(args.timeout, comm.rank, comm.host)
+    watchdog.start()
+    device = "cpu"
+    try:
+        A = Arrays(args.device)
+        if args.device == "cuda":
+            from . import gpu
+            device = gpu.describe_device()
+    except Exception as e:
+        print(f"smoke: rank {comm.rank} ({comm.host}): cannot use --device {args.device}: {e}",
+              file=sys.stderr, flush=True)
+        return int(SmokeExit.USAGE)
+    t0 = time.monotonic()
+    results = run_checks(comm, A, args, watchdog)
+    mine = {"rank": comm.rank, "host": comm.host, "local_rank": comm.local_rank,
+            "node": comm.node, "device": device, "results": results,
+            "seconds": round(time.monotonic() - t0, 3)}
+    # Gather per-rank reports as JSON bytes with our own gatherv (no pickling).
+    watchdog.arm("gathering results")
+    blob = np.frombuffer(json.dumps(mine).encode(), dtype=np.uint8)
+    gathered = comm.gatherv(blob, root=0)
+    ok_all = np.array([all(r["ok"] for r in results.values())], dtype=np.uint8)
+    comm.allreduce(ok_all, op="min", inplace=True)
+    watchdog.disarm()
+    ok = bool(ok_all[0])
+    if comm.rank == 0:
+        rows, pos = [], 0
+        text = bytes(gathered).decode()
+        decoder = json.JSONDecoder()
+        while pos < len(text):
+            row, pos = decoder.raw_decode(text, pos)
+            rows.append(row)
+        print(render(rows, args.ops, args.json, ok), flush=True)
+        if not args.json:
+            for r in rows:
+                for op, res in r["results"].items():
+                    if not res["ok"]:
+                        print(f"FAIL rank {r['rank']} ({r['host']}): {res['detail']}",
+                              flush=True)
+            checks = sum(res["checks"] for r in rows for res in r["results"].values())
+            print(f"{'PASS' if ok else 'FAIL'}: {len(args.ops)} operations x "
+                  f"{len(args.dtypes)} dtypes x sizes {args.sizes}, {checks} checks on "
+                  f"{comm.size} ranks", flush=True)
+    return int(SmokeExit.OK if ok else SmokeExit.WRONG)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
