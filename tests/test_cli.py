@@ -134,3 +134,34 @@ def test_dtrun_script_does_not_import_heavy_modules():
             "print('HEAVY', heavy, file=sys.stderr)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert "HEAVY []" in p.stderr, p.stderr
+
+
+def test_cluster_file_ssh_settings_reach_the_launcher(tmp_path):
+    from tests.dtrun_helpers import user_env
+    p = dtrun("--dry-run", "--cluster", "hostfiles/cluster.yaml", "true", env=user_env(XDG_CACHE_HOME=str(tmp_path)))
+    assert p.returncode == 0, p.stderr
+    m = [l for l in p.stdout.splitlines() if "plm_ssh_args" in l]
+    assert m, p.stdout
+    cfg = m[0].split("'-F ")[1].split("'")[0]
+    text = open(cfg).read()
+    assert "Host server4\n  User ops\n  Port 2222\n" in text
+    assert "Host server1\n  User mpiuser\n" in text and "IdentityFile" in text
+
+
+def test_slurm_allocation_is_used_without_host_options():
+    from tests.dtrun_helpers import user_env
+    env = user_env(SLURM_JOB_NODELIST="node[01-02,07]", SLURM_TASKS_PER_NODE="4(x2),2")
+    p = dtrun("--dry-run", "true", env=env)
+    assert p.returncode == 0, p.stderr
+    assert "-np 10" in p.stdout and "-H node01:4,node02:4,node07:2" in p.stdout
+    assert "from Slurm allocation" in p.stdout
+
+
+def test_many_hosts_warn_about_tree_spawn(tmp_path):
+    hf = tmp_path / "hosts"
+    hf.write_text("".join(f"10.9.{i // 250}.{i % 250 + 1} slots=1\n" for i in range(70)))
+    p = dtrun("--dry-run", "--hostfile", hf, "true")
+    assert p.returncode == 0
+    assert "70 hosts: Open MPI spawns daemons through a tree" in p.stderr and "--no-tree-spawn" in p.stderr
+    p = dtrun("--dry-run", "--hostfile", hf, "--no-tree-spawn", "true")
+    assert "--prtemca plm_ssh_no_tree_spawn 1" in p.stdout and "tree" not in p.stderr
