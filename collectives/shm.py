@@ -50,6 +50,7 @@ class ShmReducer:
         self.win: MPI.Win | None = None
         self.slots: list[list[np.ndarray]] = []  # [parity][local rank] -> uint8 view
         self.parity = 0
+        self._plans: dict[tuple, tuple] = {}
 
     def _ensure(self, nbytes: int) -> None:
         want = min(self.chunk_bytes, max(nbytes, 1 << 16))
@@ -67,6 +68,7 @@ class ShmReducer:
             views.append(np.frombuffer(buf, dtype=np.uint8, count=2 * cap))
         self.slots = [[v[:cap] for v in views], [v[cap:] for v in views]]
         self.win, self.cap, self.parity = win, cap, 0
+        self._plans = {}
 
     def _sync(self) -> None:
         self.win.Sync()
@@ -84,46 +86,58 @@ class ShmReducer:
             finish: optional in-place ``f(arr)`` applied once to each reduced slice
                 (the division of an average), before anyone copies it out.
         """
-        itemsize = src.itemsize
         total = src.size
         if total == 0:
             return
+        itemsize = src.itemsize
         self._ensure(total * itemsize)
         per_chunk = self.cap // itemsize
         s_flat = src.reshape(-1)
         d_flat = dst.reshape(-1)
         dtype = src.dtype
-        n, r = self.n, self.r
-        unit = max(1, _ALIGN // itemsize)
+        r, cross, sync = self.r, self.cross, self._sync
         for start in range(0, total, per_chunk):
             m = min(per_chunk, total - start)
-            slots = self.slots[self.parity]
+            parity = self.parity
             self.parity ^= 1
-            nbytes = m * itemsize
-            views = [s[:nbytes].view(dtype) for s in slots]
+            views, lo, hi = self._plan(dtype, m, parity)
             np.copyto(views[r], s_flat[start:start + m])
-            self._sync()
-            # Slice r of m elements, boundaries rounded to cache lines.
-            units = -(-m // unit)
-            lo = min(m, (units * r // n) * unit)
-            hi = min(m, (units * (r + 1) // n) * unit)
+            sync()
             if hi > lo:
                 acc = views[0][lo:hi]
-                for k in range(1, n):
-                    kernel(acc, views[k][lo:hi], acc)
-                if self.cross is not None:
-                    self.cross.Allreduce(MPI.IN_PLACE, [acc, cross_type], cross_op)
+                for other in views[1:]:
+                    kernel(acc, other[lo:hi], acc)
+                if cross is not None:
+                    cross.Allreduce(MPI.IN_PLACE, [acc, cross_type], cross_op)
                 if finish is not None:
                     finish(acc)
-            elif self.cross is not None:
+            elif cross is not None:
                 # Every member of the cross communicator must take part.
-                self.cross.Allreduce(MPI.IN_PLACE, [views[0][:0], cross_type], cross_op)
-            self._sync()
+                cross.Allreduce(MPI.IN_PLACE, [views[0][:0], cross_type], cross_op)
+            sync()
             np.copyto(d_flat[start:start + m], views[0])
+
+    def _plan(self, dtype: np.dtype, m: int, parity: int) -> tuple[list[np.ndarray], int, int]:
+        """Typed views of the slots for a chunk of ``m`` elements, and this rank's slice
+        ``[lo, hi)`` (boundaries on cache lines). Cached: the hot loop only indexes."""
+        key = (dtype, m, parity)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 64:
+                self._plans.clear()
+            itemsize = dtype.itemsize
+            views = [s[:m * itemsize].view(dtype) for s in self.slots[parity]]
+            unit = max(1, _ALIGN // itemsize)
+            units = -(-m // unit)
+            lo = min(m, (units * self.r // self.n) * unit)
+            hi = min(m, (units * (self.r + 1) // self.n) * unit)
+            plan = self._plans[key] = (views, lo, hi)
+        return plan
 
     def free(self) -> None:
         if self.win is not None:
             self.slots = []
+            self._plans = {}
             try:
                 self.win.Unlock_all()
                 self.win.Free()
