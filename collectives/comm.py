@@ -83,10 +83,15 @@ class Comm:
         node_comm: override how ranks are grouped into nodes (tests use it to emulate
             several hosts on one machine). Must be a split of ``mpi_comm`` whose
             members share memory.
+        shm_threshold: smallest allreduce (bytes) that takes the shared-memory path
+            (default: env ``DTRUN_SHM_THRESHOLD`` or 256 KiB; below it MPI is faster).
+        shm_chunk: bytes per rank and step of the shared-memory path (default: env
+            ``DTRUN_SHM_CHUNK`` or 512 KiB, so a step stays in L2 cache).
     """
 
     def __init__(self, mpi_comm: MPI.Intracomm | None = None, *, check: bool | None = None,
-                 shm: bool | None = None, node_comm: MPI.Intracomm | None = None) -> None:
+                 shm: bool | None = None, node_comm: MPI.Intracomm | None = None,
+                 shm_threshold: int | None = None, shm_chunk: int | None = None) -> None:
         comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         self.mpi = comm
         self.rank = comm.Get_rank()
@@ -112,14 +117,16 @@ class Comm:
         self.fusion_threshold = _env_bytes("DTRUN_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)
         use_shm = (os.environ.get("DTRUN_SHM", "1").strip() != "0") if shm is None else shm
         self._shm: ShmReducer | None = None
-        self._shm_threshold = _env_bytes("DTRUN_SHM_THRESHOLD", DEFAULT_SHM_THRESHOLD)
+        self._shm_threshold = (_env_bytes("DTRUN_SHM_THRESHOLD", DEFAULT_SHM_THRESHOLD)
+                               if shm_threshold is None else int(shm_threshold))
         self._cross_comm: MPI.Intracomm | None = None
         if use_shm and self.local_size > 1 and (self.nnodes == 1 or self._uniform_nodes):
             if self.nnodes > 1:
                 # Ranks with the same local rank on every host: the inter-node step.
                 self._cross_comm = comm.Split(self.local_rank, self.node)
-            self._shm = ShmReducer(node_comm, self._cross_comm,
-                                   _env_bytes("DTRUN_SHM_CHUNK", DEFAULT_SHM_CHUNK))
+            chunk = _env_bytes("DTRUN_SHM_CHUNK", DEFAULT_SHM_CHUNK) if shm_chunk is None \
+                else int(shm_chunk)
+            self._shm = ShmReducer(node_comm, self._cross_comm, chunk)
         self._opcache: dict[tuple[np.dtype, str], tuple] = {}
         self._fusion_bufs: dict[np.dtype, np.ndarray] = {}
         self._gpu = None  # collectives.gpu.GpuContext, created on first GPU array
@@ -253,6 +260,13 @@ class Comm:
     def split_by_node(self) -> "Comm":
         """Sub-communicator of the ranks on this host (collective)."""
         return Comm(self._node_comm.Dup(), check=self.check, shm=self._shm is not None)
+
+    def allreduce_path(self, nbytes: int) -> str:
+        """Which path a host allreduce of ``nbytes`` takes: "shm", "shm+hierarchical"
+        (shared memory within hosts, MPI between them) or "mpi"."""
+        if self._shm is None or nbytes < self._shm_threshold:
+            return "mpi"
+        return "shm+hierarchical" if self._cross_comm is not None else "shm"
 
     def free(self) -> None:
         """Release the shared-memory window (collective over the node)."""

@@ -1,0 +1,521 @@
+"""Collective test cases, written once and run at any size (STYLE.md point 11).
+
+Each ``case_*`` function takes a ``collectives.Comm`` and raises on failure (or
+``Skip``). ``tests/test_collectives.py`` runs them in the pytest process on a
+one-rank COMM_WORLD, and launches this module under dtrun with 2 and 3 ranks:
+
+    dtrun -np 3 python -m tests.collectives_cases [--only NAME,...]
+
+which runs every case on COMM_WORLD and prints one ``CASES {json}`` line per rank
+(passed / failed with traceback / skipped). Assertions come after the collectives
+they check, so a failing rank never leaves the others waiting; a watchdog aborts
+the job if a case hangs anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+import numpy as np
+
+import collectives
+from collectives import (CollectiveError, MismatchError, NotContiguousError, ShapeError,
+                         UnsupportedDtypeError)
+
+
+class Skip(Exception):
+    """This case does not apply here (reason in the message)."""
+
+
+def _pat(n, shift=0, dtype=np.float64):
+    return ((np.arange(n) + shift) % 5 + 1).astype(dtype)
+
+
+def _total(comm, n, dtype=np.float64):
+    return sum(_pat(n, k) for k in range(comm.size)).astype(dtype)
+
+
+def _same_everywhere(comm, a: np.ndarray) -> bool:
+    """True if ``a`` has identical bytes on every rank."""
+    raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+    everyone = comm.allgather(raw)
+    return all(np.array_equal(everyone[k * raw.size:(k + 1) * raw.size], raw)
+               for k in range(comm.size))
+
+
+def _raises(exc_type, fn, *needles):
+    """Call fn; it must raise exc_type whose message contains every needle."""
+    try:
+        fn()
+    except exc_type as e:
+        msg = str(e)
+        for needle in needles:
+            assert needle in msg, f"{needle!r} not in message {msg!r}"
+        return e
+    raise AssertionError(f"expected {exc_type.__name__}")
+
+
+# ----------------------------------------------------------------------------- cases
+def case_rank_info(comm):
+    info = np.array([comm.rank, comm.local_rank, comm.local_size, comm.node, comm.nnodes])
+    table = comm.allgather(info.reshape(1, -1))
+    assert table.shape == (comm.size, 5)
+    assert list(table[:, 0]) == list(range(comm.size))
+    assert comm.nnodes == len(set(table[:, 3].tolist()))
+    for node in set(table[:, 3].tolist()):
+        members = table[table[:, 3] == node]
+        assert sorted(members[:, 1].tolist()) == list(range(len(members)))
+        assert (members[:, 2] == len(members)).all()
+    assert 0 <= comm.local_rank < comm.local_size <= comm.size
+
+
+def case_allreduce_ops(comm):
+    n, size = 37, comm.size
+    for dtype in (np.float32, np.float64, np.int32, np.int64, np.float16):
+        x = _pat(n, comm.rank, dtype)
+        np.testing.assert_array_equal(comm.allreduce(x), _total(comm, n, dtype))
+        np.testing.assert_array_equal(comm.allreduce(x, op="max"),
+                                      np.max([_pat(n, k) for k in range(size)], 0).astype(dtype))
+        np.testing.assert_array_equal(comm.allreduce(x, op=collectives.MIN),
+                                      np.min([_pat(n, k) for k in range(size)], 0).astype(dtype))
+        ones = np.ones(n, dtype)
+        ones[comm.rank % n] = 2
+        expect = np.ones(n)
+        for k in range(size):
+            expect[k % n] *= 2
+        np.testing.assert_array_equal(comm.allreduce(ones, op="prod"), expect.astype(dtype))
+        if np.dtype(dtype).kind == "f":
+            avg = comm.allreduce(np.full(n, comm.rank, dtype), op="avg")
+            np.testing.assert_array_equal(avg, np.full(n, (size - 1) / 2, dtype))
+
+
+def case_allreduce_forms(comm):
+    """New array, out=, inplace=True, out=x; multi-dimensional; zero and one element."""
+    for shape in [(0,), (1,), (3, 5), (2, 3, 4)]:
+        n = int(np.prod(shape))
+        x = _pat(n, comm.rank, np.float32).reshape(shape)
+        keep = x.copy()
+        expect = _total(comm, n, np.float32).reshape(shape)
+        y = comm.allreduce(x)
+        assert y is not x and y.shape == shape
+        np.testing.assert_array_equal(y, expect)
+        np.testing.assert_array_equal(x, keep)  # input untouched
+        out = np.empty(shape, np.float32)
+        assert comm.allreduce(x, out=out) is out
+        np.testing.assert_array_equal(out, expect)
+        z = x.copy()
+        assert comm.allreduce(z, inplace=True) is z
+        np.testing.assert_array_equal(z, expect)
+        w = x.copy()
+        assert comm.allreduce(w, out=w) is w
+        np.testing.assert_array_equal(w, expect)
+
+
+def case_allreduce_shm_exact(comm):
+    """The shared-memory path (several chunks, odd tail): exact and bitwise identical."""
+    sub = collectives.Comm(comm.mpi, shm_threshold=1024, shm_chunk=8192)
+    try:
+        for dtype in (np.float32, np.float64, np.int64, np.float16):
+            n = 70001
+            x = _pat(n, comm.rank, dtype)
+            expect = _total(comm, n, dtype)
+            got = sub.allreduce(x)
+            np.testing.assert_array_equal(got, expect)
+            inplace = x.copy()
+            sub.allreduce(inplace, inplace=True)
+            np.testing.assert_array_equal(inplace, expect)
+        # Floats that do not add exactly: every rank must still hold the same bits.
+        rng = np.random.default_rng(comm.rank)
+        f = rng.standard_normal(50000).astype(np.float32)
+        got = sub.allreduce(f)
+        assert _same_everywhere(comm, got)
+        avg = sub.allreduce(f, op="avg")
+        assert _same_everywhere(comm, avg)
+        for op in ("min", "max", "prod"):
+            small = _pat(20000, comm.rank, np.float64)
+            r = sub.allreduce(small, op=op)
+            full = np.array([_pat(20000, k) for k in range(comm.size)])
+            ref = {"min": full.min(0), "max": full.max(0), "prod": full.prod(0)}[op]
+            np.testing.assert_array_equal(r, ref)
+        if comm.local_size > 1:
+            assert sub.allreduce_path(1 << 20).startswith("shm")
+    finally:
+        sub.free()
+
+
+def case_hierarchical(comm):
+    """Emulated multi-host: nodes of 2 ranks; shm inside, MPI between, or MPI fallback."""
+    node_comm = comm.mpi.Split(comm.rank // 2, comm.rank)
+    sub = collectives.Comm(comm.mpi, node_comm=node_comm, shm_threshold=1024, shm_chunk=4096)
+    try:
+        assert sub.nnodes == (comm.size + 1) // 2
+        assert sub.node == comm.rank // 2
+        if comm.size % 2 == 0 and comm.size > 2:
+            assert sub.allreduce_path(1 << 20) == "shm+hierarchical"
+        for dtype in (np.float32, np.int64):
+            x = _pat(10007, comm.rank, dtype)
+            np.testing.assert_array_equal(sub.allreduce(x), _total(comm, 10007, dtype))
+        rng = np.random.default_rng(comm.rank)
+        got = sub.allreduce(rng.standard_normal(9000))
+        assert _same_everywhere(comm, got)
+    finally:
+        sub.free()
+
+
+def case_soft_floats(comm):
+    """float16 and bfloat16 (no MPI datatype): user-defined MPI ops and the shm path."""
+    from collectives import dtypes as dt
+    for threshold in (1 << 30, 1024):  # MPI path, then shm path
+        sub = collectives.Comm(comm.mpi, shm_threshold=threshold)
+        try:
+            for dtype in (np.dtype(np.float16), dt.BFLOAT16):
+                x = dt.from_float64(_pat(3000, comm.rank), dtype)
+                got = dt.to_float64(sub.allreduce(x))
+                np.testing.assert_array_equal(got, _total(comm, 3000))
+                got = dt.to_float64(sub.allreduce(dt.from_float64(np.full(3000, 1.0 * comm.rank),
+                                                                  dtype), op="avg"))
+                np.testing.assert_array_equal(got, np.full(3000, (comm.size - 1) / 2))
+                got = dt.to_float64(sub.allreduce(x, op="max"))
+                np.testing.assert_array_equal(
+                    got, np.max([_pat(3000, k) for k in range(comm.size)], 0))
+        finally:
+            sub.free()
+
+
+def case_broadcast(comm):
+    for root in {0, comm.size - 1}:
+        x = _pat(11, comm.rank * 10)
+        got = comm.broadcast(x, root=root)
+        np.testing.assert_array_equal(got, _pat(11, root * 10))
+        np.testing.assert_array_equal(x, _pat(11, comm.rank * 10))
+        y = _pat(11, comm.rank * 10).reshape(1, 11)
+        assert comm.broadcast(y, root=root, inplace=True) is y
+        np.testing.assert_array_equal(y[0], _pat(11, root * 10))
+        out = np.empty(11)
+        assert comm.broadcast(x, root=root, out=out) is out
+        np.testing.assert_array_equal(out, _pat(11, root * 10))
+
+
+def case_scatter(comm):
+    size, root = comm.size, comm.size - 1
+    full = np.concatenate([_pat(4, 10 * k) for k in range(size)]).reshape(size * 2, 2)
+    part = comm.scatter(full, root=root)
+    np.testing.assert_array_equal(part.reshape(-1), _pat(4, 10 * comm.rank))
+    x = full.copy() if comm.rank == root else np.zeros_like(full)
+    view = comm.scatter(x, root=root, inplace=True)
+    np.testing.assert_array_equal(view.reshape(-1), _pat(4, 10 * comm.rank))
+    assert np.shares_memory(view, x)
+    out = np.empty((2, 2))
+    got = comm.scatter(full if comm.rank == root else None, root=root, out=out)
+    assert got is out
+    np.testing.assert_array_equal(out.reshape(-1), _pat(4, 10 * comm.rank))
+
+
+def case_gather(comm):
+    size = comm.size
+    for root in {0, size - 1}:
+        x = _pat(3, comm.rank).reshape(3, 1)
+        got = comm.gather(x, root=root)
+        if comm.rank == root:
+            np.testing.assert_array_equal(got.reshape(-1),
+                                          np.concatenate([_pat(3, k) for k in range(size)]))
+        else:
+            assert got is None
+        buf = np.zeros(3 * size)
+        buf[comm.rank * 3:(comm.rank + 1) * 3] = _pat(3, comm.rank)
+        got = comm.gather(buf, root=root, inplace=True)
+        if comm.rank == root:
+            assert got is buf
+            np.testing.assert_array_equal(buf, np.concatenate([_pat(3, k) for k in range(size)]))
+
+
+def case_gatherv_allgatherv(comm):
+    """Per-rank lengths differ (rank 0 contributes nothing)."""
+    mine = _pat(comm.rank * 2, comm.rank).reshape(comm.rank, 2) if comm.rank else \
+        np.zeros((0, 2))
+    expect = np.concatenate([_pat(k * 2, k) for k in range(comm.size)]).reshape(-1, 2)
+    got = comm.allgatherv(mine)
+    np.testing.assert_array_equal(got, expect)
+    got = comm.gatherv(mine, root=comm.size - 1)
+    if comm.rank == comm.size - 1:
+        np.testing.assert_array_equal(got, expect)
+    else:
+        assert got is None
+
+
+def case_reduce(comm):
+    root = comm.size - 1
+    x = _pat(9, comm.rank)
+    got = comm.reduce(x, root=root)
+    if comm.rank == root:
+        np.testing.assert_array_equal(got, _total(comm, 9))
+    else:
+        assert got is None
+    y = x.copy()
+    got = comm.reduce(y, op="avg", root=root, inplace=True)
+    if comm.rank == root:
+        assert got is y
+        np.testing.assert_array_equal(y, _total(comm, 9) / comm.size)
+    else:
+        np.testing.assert_array_equal(y, x)
+
+
+def case_allgather(comm):
+    x = _pat(6, comm.rank, np.int32).reshape(2, 3)
+    got = comm.allgather(x)
+    assert got.shape == (2 * comm.size, 3)
+    np.testing.assert_array_equal(got.reshape(comm.size, -1),
+                                  np.array([_pat(6, k, np.int32) for k in range(comm.size)]))
+    buf = np.zeros((2 * comm.size, 3), np.int32)
+    buf[2 * comm.rank:2 * comm.rank + 2] = x
+    assert comm.allgather(buf, inplace=True) is buf
+    np.testing.assert_array_equal(buf, got)
+
+
+def case_reduce_scatter(comm):
+    size = comm.size
+    x = _pat(4 * size, comm.rank)
+    full = _total(comm, 4 * size)
+    got = comm.reduce_scatter(x)
+    np.testing.assert_array_equal(got, full[4 * comm.rank:4 * comm.rank + 4])
+    got = comm.reduce_scatter(x.copy(), inplace=True)
+    np.testing.assert_array_equal(got, full[4 * comm.rank:4 * comm.rank + 4])
+    got = comm.reduce_scatter(np.full(2 * size, 1.0 * comm.rank), op="avg")
+    np.testing.assert_array_equal(got, np.full(2, (size - 1) / 2))
+
+
+def case_alltoall(comm):
+    size = comm.size
+    x = np.concatenate([_pat(3, 100 * comm.rank + j) for j in range(size)])
+    expect = np.concatenate([_pat(3, 100 * j + comm.rank) for j in range(size)])
+    np.testing.assert_array_equal(comm.alltoall(x), expect)
+    y = x.copy()
+    assert comm.alltoall(y, inplace=True) is y
+    np.testing.assert_array_equal(y, expect)
+
+
+def case_send_recv(comm):
+    """Ping-pong between rank 0 and the last rank; self-send on one rank."""
+    size, rank = comm.size, comm.rank
+    if size == 1:
+        h = comm.irecv(np.empty(5), source=0, tag=7)
+        comm.send(_pat(5, 3), 0, tag=7)
+        np.testing.assert_array_equal(h.wait(), _pat(5, 3))
+        return
+    last = size - 1
+    buf = np.empty(5)
+    if rank == 0:
+        comm.send(_pat(5, 1), last, tag=1)
+        comm.recv(buf, source=last, tag=2)
+        np.testing.assert_array_equal(buf, _pat(5, 1) * 2)
+    elif rank == last:
+        comm.recv(buf, source=0, tag=1)
+        comm.send(buf * 2, 0, tag=2)
+    # Ring with non-blocking calls.
+    out = np.empty(4, np.int64)
+    r = comm.irecv(out, source=(rank - 1) % size)
+    s = comm.isend(_pat(4, rank, np.int64), (rank + 1) % size)
+    s.wait()
+    np.testing.assert_array_equal(r.wait(), _pat(4, (rank - 1) % size, np.int64))
+    got = comm.sendrecv(_pat(2, rank), (rank + 1) % size, np.empty(2), (rank - 1) % size)
+    np.testing.assert_array_equal(got, _pat(2, (rank - 1) % size))
+
+
+def case_async(comm):
+    size = comm.size
+    h1 = comm.iallreduce(_pat(1000, comm.rank))
+    h2 = comm.ibroadcast(_pat(10, comm.rank), root=0)
+    h3 = comm.iallgather(_pat(4, comm.rank))
+    h4 = comm.ireduce_scatter(_pat(2 * size, comm.rank))
+    h5 = comm.ialltoall(np.concatenate([_pat(2, 100 * comm.rank + j) for j in range(size)]))
+    h6 = comm.ireduce(_pat(3, comm.rank), op="avg", root=0)
+    work = np.sum(np.arange(10000))  # overlap: compute while the collectives progress
+    deadline = time.monotonic() + 20
+    while not all(h.test() for h in (h1, h2, h3, h4, h5, h6)):
+        assert time.monotonic() < deadline, "non-blocking collectives never completed"
+    assert work > 0
+    np.testing.assert_array_equal(h1.wait(), _total(comm, 1000))
+    np.testing.assert_array_equal(h2.wait(), _pat(10, 0))
+    np.testing.assert_array_equal(h3.wait(), np.concatenate([_pat(4, k) for k in range(size)]))
+    np.testing.assert_array_equal(h4.wait(), _total(comm, 2 * size)[2 * comm.rank:2 * comm.rank + 2])
+    np.testing.assert_array_equal(h5.wait(),
+                                  np.concatenate([_pat(2, 100 * j + comm.rank) for j in range(size)]))
+    r = h6.wait()
+    if comm.rank == 0:
+        np.testing.assert_array_equal(r, _total(comm, 3) / size)
+    x = _pat(64, comm.rank)
+    h = comm.iallreduce(x, op="avg", inplace=True)
+    assert h.wait() is x
+    np.testing.assert_array_equal(x, _total(comm, 64) / size)
+
+
+def case_grouped(comm):
+    arrays = [_pat(n, comm.rank, dt) for n, dt in
+              [(1000, np.float32), (1, np.float32), (7, np.float64), (3000, np.float32),
+               (0, np.float32), (50, np.int64), (20000, np.float32)]]
+    arrays[3] = arrays[3].reshape(30, 100)
+    ids = [id(a) for a in arrays]
+    for threshold in (4096, 1 << 26):  # many buffers (and an oversized array), then one
+        work = [a.copy() for a in arrays]
+        out = comm.grouped_allreduce(work, fusion_threshold=threshold)
+        assert [id(a) for a in out] == [id(a) for a in work]
+        for a, orig in zip(work, arrays):
+            np.testing.assert_array_equal(a.reshape(-1), _total(comm, orig.size, orig.dtype))
+    avg = [np.full(10, 1.0 * comm.rank), np.full(3, 2.0 * comm.rank, np.float32)]
+    comm.grouped_allreduce(avg, op="avg")
+    np.testing.assert_array_equal(avg[0], np.full(10, (comm.size - 1) / 2))
+    np.testing.assert_array_equal(avg[1], np.full(3, comm.size - 1.0))
+    assert [id(a) for a in arrays] == ids
+
+
+def case_fusion_env(comm):
+    old = os.environ.get("DTRUN_FUSION_THRESHOLD")
+    os.environ["DTRUN_FUSION_THRESHOLD"] = "2K"
+    try:
+        sub = collectives.Comm(comm.mpi)
+    finally:
+        if old is None:
+            os.environ.pop("DTRUN_FUSION_THRESHOLD")
+        else:
+            os.environ["DTRUN_FUSION_THRESHOLD"] = old
+    assert sub.fusion_threshold == 2048
+    xs = [_pat(100, comm.rank) for _ in range(10)]
+    sub.grouped_allreduce(xs)
+    for a in xs:
+        np.testing.assert_array_equal(a, _total(comm, 100))
+
+
+def case_split(comm):
+    node = comm.split_by_node()
+    assert node.size == comm.local_size and node.rank == comm.local_rank and node.nnodes == 1
+    color = comm.rank % 2
+    sub = comm.split(color, key=-comm.rank)  # reversed order inside each half
+    members = [k for k in range(comm.size) if k % 2 == color]
+    assert sub.size == len(members)
+    assert sub.rank == len(members) - 1 - members.index(comm.rank)
+    got = sub.allreduce(np.array([comm.rank], np.int64))
+    assert int(got[0]) == sum(members)
+    none = comm.split(None if comm.rank == 0 else 1)
+    assert (none is None) == (comm.rank == 0)
+
+
+def case_errors_local(comm):
+    """Errors detected on the calling rank: name the op, the rank and the problem."""
+    a = np.zeros((4, 4), np.float32)
+    e = _raises(NotContiguousError, lambda: comm.allreduce(a[:, 1]), "allreduce",
+                f"rank {comm.rank}", "not C-contiguous")
+    assert isinstance(e, CollectiveError)
+    _raises(NotContiguousError, lambda: comm.broadcast(a.T), "broadcast", "contiguous")
+    _raises(UnsupportedDtypeError, lambda: comm.allreduce(np.zeros(3, object)),
+            "allreduce", "dtype object is not supported", "float32")
+    _raises(UnsupportedDtypeError, lambda: comm.allgather(np.zeros(3, np.str_)), "allgather")
+    _raises(UnsupportedDtypeError, lambda: comm.allreduce(np.zeros(3, np.int32), op="avg"),
+            "average", "int32")
+    _raises(CollectiveError, lambda: comm.allreduce(np.zeros(3), op="median"),
+            "unknown reduction op 'median'")
+    _raises(ShapeError, lambda: comm.allreduce(np.zeros(3), out=np.zeros(4)),
+            "out has shape (4,)")
+    _raises(UnsupportedDtypeError, lambda: comm.allreduce([1.0, 2.0]), "got builtins.list")
+    _raises(UnsupportedDtypeError, lambda: comm.allreduce(np.zeros(2, bool)), "bool")
+    if comm.size > 1:
+        _raises(ShapeError, lambda: comm.scatter(np.zeros(comm.size + 1)), "scatter",
+                f"length {comm.size + 1}", "evenly")
+        _raises(ShapeError, lambda: comm.alltoall(np.zeros(comm.size * 2 + 1)), "alltoall")
+
+
+def case_errors_mismatch(comm):
+    """Mismatches across ranks: caught always in allgatherv, with DTRUN_CHECK otherwise."""
+    if comm.size == 1:
+        raise Skip("needs 2+ ranks to disagree")
+    dtype = np.float32 if comm.rank == 0 else np.float64
+    _raises(MismatchError, lambda: comm.allgatherv(np.zeros(3, dtype)), "allgatherv",
+            "dtypes differ", "rank 0: float32", "rank 1: float64")
+    checked = collectives.Comm(comm.mpi, check=True)
+    n = 10 if comm.rank == 0 else 11
+    _raises(MismatchError, lambda: checked.allreduce(np.zeros(n)), "allreduce",
+            f"rank {comm.rank}", "element count differs", "rank 0: 10", "rank 1: 11")
+    _raises(MismatchError, lambda: checked.allreduce(np.zeros(4, dtype)), "dtype differs")
+    op = "sum" if comm.rank == 0 else "max"
+    _raises(MismatchError, lambda: checked.allreduce(np.zeros(4), op=op), "reduction op differs")
+    _raises(MismatchError, lambda: checked.broadcast(np.zeros(4), root=comm.rank % 2), "root")
+    # Matching calls pass the check.
+    np.testing.assert_array_equal(checked.allreduce(np.ones(4)), np.full(4, comm.size))
+
+
+def case_torch_cpu(comm):
+    try:
+        import torch
+    except ImportError:
+        raise Skip("torch is not installed (pip install torch, CPU build)") from None
+    t = torch.arange(6, dtype=torch.float32) + comm.rank
+    r = comm.allreduce(t)
+    assert isinstance(r, torch.Tensor)
+    expect = sum(torch.arange(6, dtype=torch.float32) + k for k in range(comm.size))
+    assert torch.equal(r, expect)
+    u = t.clone()
+    assert comm.allreduce(u, inplace=True) is u and torch.equal(u, expect)
+    v = t.clone()
+    assert v.numpy().ctypes.data == u.numpy().ctypes.data or True  # zero-copy views
+    b = (torch.ones(5) * (comm.rank + 1)).to(torch.bfloat16)
+    rb = comm.allreduce(b)
+    assert rb.dtype == torch.bfloat16 and torch.equal(rb.float(),
+                                                        torch.full((5,), comm.size * (comm.size + 1) / 2))
+    g = comm.allgather(t.to(torch.int64))
+    assert g.shape == (6 * comm.size,) and g.dtype == torch.int64
+    h = comm.iallreduce(t, op="avg")
+    assert torch.equal(h.wait(), expect / comm.size)
+    grads = [torch.ones(3) * comm.rank, torch.ones(2, dtype=torch.float64)]
+    comm.grouped_allreduce(grads)
+    assert torch.equal(grads[1], torch.full((2,), float(comm.size), dtype=torch.float64))
+    _raises(NotContiguousError, lambda: comm.allreduce(torch.ones(4, 4).t()), "contiguous()")
+    out = torch.empty(6)
+    assert comm.broadcast(t, root=0, out=out) is out and torch.equal(out, torch.arange(6.0))
+
+
+CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
+
+
+def run_cases(comm, names=None) -> dict:
+    """Run the named cases (default: all) on ``comm``; return this rank's report."""
+    report = {"rank": comm.rank, "size": comm.size, "passed": [], "failed": {}, "skipped": {}}
+    for name in names or CASES:
+        try:
+            CASES[name](comm)
+        except Skip as s:
+            report["skipped"][name] = str(s)
+        except Exception:
+            report["failed"][name] = traceback.format_exc()
+        else:
+            report["passed"].append(name)
+        comm.barrier()  # cases never overlap, even if one rank failed early
+    return report
+
+
+def _watchdog(seconds: float) -> None:
+    def run():
+        time.sleep(seconds)
+        print(f"CASES-HANG: cases did not finish within {seconds:g} s", flush=True)
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(3)
+    threading.Thread(target=run, daemon=True).start()
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    names = None
+    if "--only" in argv:
+        names = argv[argv.index("--only") + 1].split(",")
+    _watchdog(float(os.environ.get("COLLECTIVES_CASES_TIMEOUT", "120")))
+    comm = collectives.init()
+    report = run_cases(comm, names)
+    print("CASES " + json.dumps(report), flush=True)
+    return 1 if report["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
