@@ -16,12 +16,16 @@ from __future__ import annotations
 import os as _os
 import sys as _sys
 
+_OSC_SET = False
 if "mpi4py.MPI" not in _sys.modules and "OMPI_MCA_osc" not in _os.environ:
     # Open MPI 5 prints "OSC UCX component priority set inside component query failed"
     # on hosts without UCX devices when the first window (our shared-memory one) is
     # created. Shared-memory windows are served by osc/sm anyway. It must be set before
     # MPI_Init (mpi4py's import), which is why it is here; a user's setting wins.
+    # collectives.comm removes it again once MPI is up, so child processes (another
+    # mpirun started by this program) do not inherit it.
     _os.environ["OMPI_MCA_osc"] = "^ucx"
+    _OSC_SET = True
 
 from .errors import (CollectiveError, DeviceError, MismatchError, MPIError,
                      NotContiguousError, ShapeError, UnsupportedDtypeError)

@@ -20,17 +20,22 @@ What is checked, and when:
 from __future__ import annotations
 
 import os
+import re
 import socket
 from typing import Any, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
+from . import _OSC_SET
 from . import dtypes as _dt
 from .errors import (CollectiveError, MismatchError, MPIError, NotContiguousError,
                      ShapeError, UnsupportedDtypeError)
 from .handle import Handle
 from .shm import ShmReducer
+
+if _OSC_SET and MPI.Is_initialized() and os.environ.get("OMPI_MCA_osc") == "^ucx":
+    os.environ.pop("OMPI_MCA_osc")  # read at MPI_Init; see collectives/__init__.py
 
 SUM, PROD, MIN, MAX, AVG = _dt.SUM, _dt.PROD, _dt.MIN, _dt.MAX, _dt.AVG
 IN_PLACE = MPI.IN_PLACE
@@ -48,18 +53,15 @@ _REDOP_CODES = {None: 0, SUM: 1, PROD: 2, MIN: 3, MAX: 4, AVG: 5}
 
 
 def _env_bytes(name: str, default: int) -> int:
-    """Read a byte count from the environment: plain integer, or with K/M/G suffix."""
+    """Read a byte count from the environment: 4096, 64K, 64M, 1G, 4KiB, 2MB (binary)."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
-    mult = 1
-    if raw[-1].upper() in "KMG":
-        mult = 1 << (10 * ("KMG".index(raw[-1].upper()) + 1))
-        raw = raw[:-1].rstrip("iIbB")
-    try:
-        return int(float(raw) * mult)
-    except ValueError:
-        raise ValueError(f"{name}={os.environ[name]!r} is not a byte count (e.g. 64M)") from None
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kKmMgG]?)(?:i?[bB])?", raw)
+    if m is None:
+        raise ValueError(f"{name}={raw!r} is not a byte count (e.g. 64M)")
+    unit = m.group(2).upper()
+    return int(float(m.group(1)) * (1 << (10 * ("KMG".index(unit) + 1)) if unit else 1))
 
 
 def _env_flag(name: str) -> bool:

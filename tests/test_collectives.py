@@ -1,0 +1,299 @@
+"""The collectives runtime: every case in-process on one rank, and under dtrun on 2 and
+3 ranks; smoke (including injected wrong values and hangs), bench and the examples."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.collectives_cases import CASES, Skip, run_cases
+from tests.dtrun_helpers import REPO, dtrun, user_env
+
+PYTHON = sys.executable
+
+
+def launch(n: int, *program: str, timeout: float = 120, env_vars: dict | None = None,
+           ) -> subprocess.CompletedProcess:
+    """``dtrun -np n -H localhost:n --oversubscribe python ...`` as a user runs it."""
+    forwards = []
+    for name in env_vars or {}:
+        forwards += ["-x", name]
+    return dtrun("-np", n, "-H", f"localhost:{n}", "--oversubscribe", *forwards, PYTHON,
+                 *program, timeout=timeout, env=user_env(**(env_vars or {})))
+
+
+def reports(proc: subprocess.CompletedProcess) -> list[dict]:
+    found = []
+    for line in proc.stdout.splitlines():
+        at = line.find("CASES {")
+        if at >= 0:
+            found.append(json.loads(line[at + 6:]))
+    return sorted(found, key=lambda r: r["rank"])
+
+
+# ----------------------------------------------------------------------------- one rank
+@pytest.fixture(scope="module")
+def comm1():
+    import collectives
+    comm = collectives.init()
+    assert comm.size == 1, "the in-process tests expect a singleton MPI (no mpirun)"
+    yield comm
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_case_one_rank(comm1, name):
+    try:
+        CASES[name](comm1)
+    except Skip as s:
+        pytest.skip(str(s))
+
+
+# ----------------------------------------------------------------------------- 2 and 3 ranks
+_RUNS: dict[int, tuple[subprocess.CompletedProcess, list[dict]]] = {}
+
+
+def multi_rank(n: int):
+    """Run all cases once per rank count (cached for the per-case tests)."""
+    if n not in _RUNS:
+        proc = launch(n, "-m", "tests.collectives_cases", timeout=180)
+        _RUNS[n] = (proc, reports(proc))
+    return _RUNS[n]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("name", list(CASES))
+def test_case_multi_rank(n, name):
+    proc, reps = multi_rank(n)
+    assert len(reps) == n, (f"expected a report from each of {n} ranks, got {len(reps)}\n"
+                            f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
+    failures = {r["rank"]: r["failed"][name] for r in reps if name in r["failed"]}
+    assert not failures, "\n".join(f"--- rank {k} ---\n{tb}" for k, tb in failures.items())
+    skipped = [r["skipped"][name] for r in reps if name in r["skipped"]]
+    if skipped:
+        pytest.skip(skipped[0])
+    assert all(name in r["passed"] for r in reps)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_case_runner_exit_code(n):
+    proc, _ = multi_rank(n)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_run_cases_reports_failures(comm1, monkeypatch):
+    """The runner itself: a failing case is reported with its traceback, others pass."""
+    import tests.collectives_cases as cases
+
+    def case_broken(comm):
+        raise AssertionError("deliberately broken")
+    monkeypatch.setitem(cases.CASES, "broken", case_broken)
+    report = run_cases(comm1, ["broken", "broadcast"])
+    assert report["passed"] == ["broadcast"]
+    assert "deliberately broken" in report["failed"]["broken"]
+
+
+# ----------------------------------------------------------------------------- library bits
+def test_import_does_not_start_mpi():
+    code = ("import sys, collectives; assert 'mpi4py.MPI' not in sys.modules; "
+            "from collectives import CollectiveError, env_local_rank; "
+            "assert 'mpi4py.MPI' not in sys.modules; print('lazy')")
+    out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=REPO)
+    assert out.returncode == 0 and "lazy" in out.stdout, out.stderr
+
+
+def test_env_rank_helpers(monkeypatch):
+    from collectives import env_local_rank, env_local_size, env_rank, env_size
+    monkeypatch.setenv("DTRUN_RANK", "5")
+    monkeypatch.setenv("DTRUN_LOCAL_RANK", "1")
+    monkeypatch.setenv("DTRUN_SIZE", "8")
+    monkeypatch.setenv("DTRUN_LOCAL_SIZE", "4")
+    assert (env_rank(), env_local_rank(), env_size(), env_local_size()) == (5, 1, 8, 4)
+    for name in ("DTRUN_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                 "SLURM_LOCALID", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3")
+    assert env_local_rank() == 3
+
+
+def test_error_message_names_op_rank_and_problem(comm1):
+    import numpy as np
+
+    from collectives import NotContiguousError
+    with pytest.raises(NotContiguousError) as info:
+        comm1.allreduce(np.zeros((3, 3))[:, 0])
+    msg = str(info.value)
+    assert msg.startswith("allreduce on rank 0: ") and "ascontiguousarray" in msg
+    assert info.value.op == "allreduce" and info.value.rank == 0
+
+
+def test_env_byte_sizes(monkeypatch):
+    from collectives.comm import _env_bytes
+    for raw, want in [("64M", 64 << 20), ("4KiB", 4096), ("1g", 1 << 30), ("123", 123)]:
+        monkeypatch.setenv("X_BYTES", raw)
+        assert _env_bytes("X_BYTES", 0) == want
+    monkeypatch.setenv("X_BYTES", "lots")
+    with pytest.raises(ValueError, match="X_BYTES='lots' is not a byte count"):
+        _env_bytes("X_BYTES", 0)
+
+
+def test_bfloat16_rounding_matches_torch_convention():
+    import numpy as np
+
+    from collectives import dtypes as dt
+    vals = np.array([1.0, 1.00390625, 1.01171875, 3.0e38, -2.5, 0.0, 256.0, 257.0])
+    b = dt.from_float64(vals, dt.BFLOAT16)
+    back = dt.to_float64(b)
+    # Round to nearest even on the 8-bit mantissa: 257 -> 256, 1.01171875 -> 1.015625.
+    assert back[0] == 1.0 and back[6] == 256.0 and back[7] == 256.0
+    assert back[2] == 1.015625 and back[4] == -2.5
+    try:
+        import torch
+    except ImportError:
+        return
+    ref = torch.tensor(vals, dtype=torch.float32).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(back, ref.astype(np.float64))
+
+
+# ----------------------------------------------------------------------------- smoke
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_smoke_passes(n):
+    proc = launch(n, "-m", "collectives.smoke", "--timeout", "60")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.count("collectives smoke test") == 1  # one table, printed by rank 0
+    for op in ("allreduce", "alltoall", "reduce_scatter", "allgatherv", "grouped"):
+        assert op in out
+    assert f"checks on {n} ranks" in out and "PASS" in out and "FAIL" not in out
+    for rank in range(n):
+        assert f"│ {rank}    │" in out
+
+
+@pytest.mark.mpi
+def test_smoke_json():
+    proc = launch(2, "-m", "collectives.smoke", "--json", "--ops", "allreduce,broadcast",
+                  "--sizes", "0,5")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert doc["ok"] is True and doc["ops"] == ["allreduce", "broadcast"]
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1]
+    for r in doc["ranks"]:
+        assert r["device"] == "cpu" and r["local_rank"] in (0, 1)
+        assert r["results"]["allreduce"]["ok"] and r["results"]["allreduce"]["checks"] > 0
+
+
+@pytest.mark.mpi
+def test_smoke_detects_wrong_value():
+    proc = launch(3, "-m", "collectives.smoke", "--ops", "allreduce,gather",
+                  env_vars={"DTRUN_SMOKE_INJECT_ERROR": "allreduce:1"})
+    assert proc.returncode != 0
+    out = proc.stdout
+    assert "FAIL rank 1" in out and "allreduce float32 n=1" in out and "got" in out
+    assert "FAIL rank 0" not in out and "FAIL rank 2" not in out
+    assert "FAIL:" in out
+
+
+def _leftover(marker: str) -> list[str]:
+    import psutil
+    left = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "collectives.smoke" in cmd and marker in cmd:
+            left.append(f"{p.pid}: {cmd}")
+    return left
+
+
+@pytest.mark.mpi
+def test_smoke_reports_hang_and_leaves_no_process():
+    marker = "2.71828"
+    t0 = time.monotonic()
+    proc = launch(3, "-m", "collectives.smoke", "--timeout", marker, "--ops",
+                  "broadcast,allreduce", timeout=90,
+                  env_vars={"DTRUN_SMOKE_INJECT_HANG": "allreduce:1"})
+    took = time.monotonic() - t0
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "HANG: allreduce" in text and "did not complete within 2.71828 s on rank" in text
+    assert took < 60, f"hang detection took {took:.0f} s"
+    deadline = time.monotonic() + 10
+    while _leftover(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _leftover(marker)
+
+
+def test_smoke_usage_error():
+    from collectives import smoke
+    assert smoke.main(["--ops", "nonsense"]) == 2
+
+
+# ----------------------------------------------------------------------------- bench
+@pytest.mark.mpi
+def test_bench_json_sane():
+    proc = launch(2, "-m", "collectives.bench", "-b", "8", "-e", "64K", "-f", "8", "-n", "3",
+                  "-w", "1", "-o", "all", "--baseline", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert doc["nranks"] == 2 and doc["wrong"] == 0 and doc["avg_busbw"] > 0
+    ops = {r["op"] for r in doc["rows"]}
+    assert ops == {"allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "reduce"}
+    for r in doc["rows"]:
+        assert r["oop_wrong"] == 0 and r["ip_wrong"] == 0
+        for key in ("oop_time_us", "ip_time_us", "raw_oop_time_us", "oop_ratio"):
+            assert r[key] > 0, (key, r)
+        if r["size"] > 0:
+            assert r["oop_algbw"] > 0 and r["oop_busbw"] > 0
+        if r["op"] == "allreduce" and r["size"]:
+            assert r["oop_busbw"] == pytest.approx(r["oop_algbw"] * 2 * (2 - 1) / 2)
+
+
+@pytest.mark.mpi
+def test_bench_table_columns():
+    proc = launch(3, "-m", "collectives.bench", "-b", "1K", "-e", "4K", "-n", "2", "-w", "1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "size         count      type   redop    root     time   algbw   busbw #wrong" in out
+    assert "# Avg bus bandwidth    :" in out and "# Out of bounds values : 0 OK" in out
+    rows = [ln.split() for ln in out.splitlines() if ln.strip() and not ln.startswith("#")]
+    assert [int(r[0]) for r in rows] == [1024, 2048, 4096]
+    for r in rows:
+        assert r[2] == "float" and r[3] == "sum" and r[4] == "-1"
+        assert float(r[5]) > 0 and r[8] == "0" and r[12] == "0"
+
+
+@pytest.mark.mpi
+def test_bench_grouped():
+    proc = launch(2, "-m", "collectives.bench", "-o", "grouped", "-b", "4K", "-e", "4K",
+                  "--tensors", "64", "-n", "3", "-w", "1", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout[proc.stdout.index("{"):])["rows"][0]
+    assert row["tensors"] == 64 and row["wrong"] == 0 and row["speedup"] > 0
+
+
+def test_bench_size_parsing_and_usage():
+    from collectives import bench
+    assert [bench.parse_size(s) for s in ("8", "1K", "64M", "1G", "2KB")] == \
+        [8, 1024, 64 << 20, 1 << 30, 2048]
+    assert bench.main(["-o", "nonsense"]) == 2
+    args = bench.parse_args(["-b", "8", "-e", "64", "-f", "2"])
+    assert bench.sizes(args) == [8, 16, 32, 64]
+
+
+# ----------------------------------------------------------------------------- examples
+EXAMPLES = ["p2p", "broadcast", "scatter", "gather", "reduce", "allreduce"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_example(example, n):
+    proc = launch(n, str(REPO / "examples" / f"{example}.py"), timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "WRONG" not in proc.stdout
+    assert proc.stdout.strip()
