@@ -1,0 +1,280 @@
+"""The program dtrun doctor runs on every host: standard library only, fixed code.
+
+It is sent whole over the host's SSH channel (or run locally for this machine)
+and reads its parameters as JSON from stdin, so nothing the user typed ever
+becomes code or shell text on the far side. It must work on a host whose
+environment is broken (no virtual environment on PATH, no ``ip``), so it uses
+only the standard library and reports what it could not do instead of failing.
+
+Protocol, one JSON object per line:
+  1. in: the request (paths to look at, the launching host's PATH, names to resolve)
+     out: the report (environment, resolved programs, interfaces, GPUs, Python,
+     the port of a TCP listener kept open for the firewall check)
+  2. in: optionally ``{"connect": [[label, addr, port], ...], "ssh": [[label, host], ...]}``
+     out: the outcome of each connect and each ssh from this host
+  then stdin closes and the probe exits, closing its listener.
+"""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+PROBE_VERSION = 1
+# Programs whose resolution on PATH the env check reports.
+NAMES = ("mpirun", "mpiexec", "prted", "orted", "hydra_pmi_proxy", "python3", "python")
+# Where `ip` lives on hosts whose non-interactive PATH is only /usr/bin:/bin.
+SBIN = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
+VERSION_TIMEOUT_S = 5.0
+GPU_TIMEOUT_S = 10.0
+NCCL_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/local/cuda/lib64", "/usr/local/nccl/lib",
+             "/usr/lib/aarch64-linux-gnu")
+
+
+def which(name, path):
+    return shutil.which(name, path=path) if path is not None else None
+
+
+def signature(path):
+    """(realpath, size, mtime_ns) of a file, or None: equal signatures mean the same binary."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [os.path.realpath(path), st.st_size, st.st_mtime_ns]
+
+
+def path_info(path):
+    if not path:
+        return None
+    return {"exists": os.path.exists(path), "exec": os.access(path, os.X_OK),
+            "isdir": os.path.isdir(path), "sig": signature(path)}
+
+
+def run(argv, timeout):
+    """(returncode, output) of a short command; never raises."""
+    try:
+        p = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           timeout=timeout)
+        return p.returncode, p.stdout.decode("utf-8", "replace")
+    except subprocess.TimeoutExpired:
+        return None, "timed out after %g s" % timeout
+    except OSError as exc:
+        return None, str(exc)
+
+
+def versions(req, resolved):
+    """``--version`` output of each MPI launcher that is not byte-for-byte the launching host's."""
+    local_sig = req.get("mpirun_sig")
+    out = {}
+    for path in {resolved.get("mpirun"), resolved.get("mpiexec"), req.get("paths", {}).get("mpirun")}:
+        if not path or path in out or not os.access(path, os.X_OK):
+            continue
+        if local_sig and signature(path) == local_sig:
+            out[path] = None  # the same file as on the launching host: same version
+            continue
+        rc, text = run([path, "--version"], VERSION_TIMEOUT_S)
+        out[path] = text[:2000]
+    return out
+
+
+def interfaces():
+    """``ip -j addr`` output, or what sysfs and ioctl tell when ``ip`` is missing."""
+    ip = shutil.which("ip", path=os.pathsep.join(SBIN))
+    if ip:
+        rc, text = run([ip, "-j", "addr"], VERSION_TIMEOUT_S)
+        if rc == 0:
+            return {"source": "ip", "ip_json": text}
+    return {"source": "sysfs", "sysfs": sysfs_interfaces()}
+
+
+def sysfs_interfaces():
+    import fcntl
+    import struct
+
+    out = []
+    try:
+        names = sorted(os.listdir("/sys/class/net"))
+    except OSError:
+        names = [n for _, n in socket.if_nameindex()]
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for name in names:
+        def read(attr):
+            try:
+                with open("/sys/class/net/%s/%s" % (name, attr)) as f:
+                    return f.read().strip()
+            except OSError:
+                return None
+        item = {"ifname": name, "operstate": read("operstate"), "mtu": read("mtu"), "flags": read("flags")}
+        try:
+            packed = struct.pack("256s", name.encode()[:15])
+            addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, packed)[20:24])  # SIOCGIFADDR
+            mask = socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x891B, packed)[20:24])  # SIOCGIFNETMASK
+            item["inet"] = [addr, mask]
+        except OSError:
+            item["inet"] = None
+        out.append(item)
+    s.close()
+    return out
+
+
+def gpus(env_path, ld_path):
+    smi = shutil.which("nvidia-smi", path=env_path) or shutil.which("nvidia-smi", path="/usr/bin:/usr/local/bin")
+    if not smi:
+        return {"nvidia_smi": None}
+    rc, text = run([smi, "--query-gpu=index,name,driver_version,memory.total", "--format=csv,noheader"],
+                   GPU_TIMEOUT_S)
+    return {"nvidia_smi": smi, "rc": rc, "query": text[:8000], "nccl": nccl_libraries(ld_path)}
+
+
+def nccl_libraries(ld_path):
+    """Paths of libnccl.so* on the library path, the usual system places and pip's nvidia-nccl."""
+    dirs = [d for d in (ld_path or "").split(os.pathsep) if d] + list(NCCL_DIRS)
+    for p in sys.path:
+        dirs.append(os.path.join(p, "nvidia", "nccl", "lib"))
+        dirs.append(os.path.join(p, "torch", "lib"))
+    found = []
+    for d in dirs:
+        try:
+            found += [os.path.join(d, n) for n in os.listdir(d) if n.startswith("libnccl.so")]
+        except OSError:
+            pass
+    return sorted(set(found))[:10]
+
+
+def python_info(job_python):
+    """This interpreter, and whether it is the job's Python with a loadable mpi4py."""
+    info = {"executable": sys.executable, "version": "%d.%d.%d" % sys.version_info[:3],
+            # By path, not by file: a virtual environment's python is a link to the base interpreter.
+            "is_job_python": bool(job_python) and os.path.abspath(sys.executable) == os.path.abspath(job_python)}
+    if not info["is_job_python"]:
+        return info
+    try:
+        import mpi4py
+        info["mpi4py"] = mpi4py.__version__
+        # Loading the extension links libmpi (a broken LD_LIBRARY_PATH shows here) without MPI_Init.
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = False
+        from mpi4py import MPI
+        info["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0][:200]
+    except Exception as exc:  # ImportError, OSError from dlopen, anything from a broken install
+        info["mpi4py_error"] = ("%s: %s" % (type(exc).__name__, exc))[:500]
+    return info
+
+
+class Listener:
+    """A TCP listener on an ephemeral port that accepts and closes, for the firewall check."""
+
+    def __init__(self):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("0.0.0.0", 0))
+        self.sock.listen(256)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+                conn.close()
+            except OSError:
+                return
+
+
+def connect_one(addr, port, timeout):
+    t0 = time.monotonic()
+    try:
+        socket.create_connection((addr, port), timeout=timeout).close()
+        status, msg = "ok", ""
+    except socket.timeout:
+        status, msg = "timeout", "timed out after %g s" % timeout
+    except ConnectionRefusedError:
+        status, msg = "refused", "refused"
+    except OSError as exc:
+        status, msg = "error", exc.strerror or str(exc)
+    return [status, round(time.monotonic() - t0, 3), msg]
+
+
+def ssh_one(host, config, timeout):
+    """``ssh HOST true`` from this host, never prompting: the hop Open MPI's tree spawn makes."""
+    argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=%d" % max(1, int(timeout))]
+    if config:
+        argv += ["-F", config]
+    t0 = time.monotonic()
+    rc, text = run(argv + ["--", host, "true"], timeout + 5)
+    return [rc, round(time.monotonic() - t0, 3), text.strip()[-500:]]
+
+
+def pairs(req):
+    import concurrent.futures as cf
+
+    timeout = float(req.get("timeout", 2.0))
+    jobs = {}
+    with cf.ThreadPoolExecutor(max_workers=32) as pool:
+        for label, addr, port in req.get("connect", []):
+            jobs[("connect", label)] = pool.submit(connect_one, addr, int(port), timeout)
+        for label, host in req.get("ssh", []):
+            jobs[("ssh", label)] = pool.submit(ssh_one, host, req.get("ssh_config"), float(req.get("ssh_timeout", 5)))
+    out = {"connect": {}, "ssh": {}}
+    for (kind, label), fut in jobs.items():
+        out[kind][label] = fut.result()
+    return out
+
+
+def report(req, listener):
+    t0 = time.monotonic()
+    env_path = os.environ.get("PATH")
+    ld_path = os.environ.get("LD_LIBRARY_PATH")
+    names = req.get("names") or NAMES
+    resolved = {n: which(n, env_path) for n in names}
+    paths = req.get("paths", {})
+    rep = {
+        "v": PROBE_VERSION,
+        "hostname": socket.gethostname(),
+        "env": {"PATH": env_path, "LD_LIBRARY_PATH": ld_path},
+        "which": resolved,
+        # What the ranks see: dtrun forwards the launching host's PATH with -x PATH.
+        "which_launch_path": {n: which(n, req.get("launch_path")) for n in names},
+        "paths": {k: path_info(v) for k, v in paths.items()},
+        "versions": versions(req, resolved),
+        "interfaces": interfaces(),
+        "gpu": gpus(env_path, ld_path) if req.get("gpu", True) else None,
+        "python": python_info(paths.get("python")),
+        "port": listener.port if listener else None,
+    }
+    rep["elapsed"] = round(time.monotonic() - t0, 3)
+    return rep
+
+
+def main():
+    stdin = sys.stdin.buffer
+    req = json.loads(stdin.readline() or b"{}")
+    listener = None
+    if req.get("listen"):
+        try:
+            listener = Listener()
+        except OSError:
+            listener = None
+    try:
+        rep = report(req, listener)
+    except Exception as exc:  # report what broke rather than die silently
+        rep = {"v": PROBE_VERSION, "error": "%s: %s" % (type(exc).__name__, exc)}
+    sys.stdout.write(json.dumps(rep) + "\n")
+    sys.stdout.flush()
+    for line in stdin:
+        if not line.strip():
+            continue
+        try:
+            out = pairs(json.loads(line))
+        except Exception as exc:
+            out = {"error": "%s: %s" % (type(exc).__name__, exc)}
+        sys.stdout.write(json.dumps(out) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,442 @@
+"""One SSH connection per host, opened the way OpenSSH would, with every failure told apart.
+
+``ssh_target`` reads the ssh config (Host/HostName/User/Port/IdentityFile/
+IdentitiesOnly/UserKnownHostsFile/HostKeyAlias) into a frozen ``SshTarget``;
+``connect`` then resolves the name, opens TCP to the port, negotiates, checks
+the host key against known_hosts and authenticates with keys only, each step
+under its own timeout, and raises one ``checks.errors`` exception naming the
+cause and the fix. Unknown host keys are rejected and changed ones reported
+loudly; nothing here ever accepts a host key or turns checking off.
+
+paramiko is imported inside the functions that need it (it costs ~0.25 s).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from checks.errors import (
+    AuthenticationError,
+    CheckTimeout,
+    ConnectRefused,
+    ConnectTimeout,
+    HostKeyChanged,
+    HostKeyUnknown,
+    HostUnreachable,
+    NameNotResolved,
+    RemoteCommandError,
+    SshProtocolError,
+)
+
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_KNOWN_HOSTS = ("~/.ssh/known_hosts", "~/.ssh/known_hosts2")
+GLOBAL_KNOWN_HOSTS = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2")
+DEFAULT_IDENTITIES = ("~/.ssh/id_ed25519", "~/.ssh/id_ecdsa", "~/.ssh/id_rsa")
+
+
+@dataclass(frozen=True)
+class SshTarget:
+    """Where and as whom to connect for one host of the job, after the ssh config."""
+
+    name: str  # as the user wrote it (-H, hostfile)
+    hostname: str  # after HostName
+    port: int = 22
+    user: str = ""
+    identity_files: tuple[str, ...] = ()
+    identities_only: bool = False
+    known_hosts: tuple[str, ...] = DEFAULT_KNOWN_HOSTS
+    global_known_hosts: tuple[str, ...] = GLOBAL_KNOWN_HOSTS
+    host_key_alias: Optional[str] = None
+    config: Optional[str] = None  # the ssh config file used, for messages and fixes
+
+    @property
+    def known_hosts_name(self) -> str:
+        """The name OpenSSH files this host's key under: HostKeyAlias, else HostName, with [ ]:port."""
+        name = self.host_key_alias or self.hostname
+        return name if self.port == 22 else f"[{name}]:{self.port}"
+
+    @property
+    def where(self) -> str:
+        return f"{self.hostname}:{self.port}"
+
+
+def default_ssh_config() -> Optional[str]:
+    path = os.path.expanduser("~/.ssh/config")
+    return path if os.path.isfile(path) else None
+
+
+def load_ssh_config(path: Optional[str]):
+    """A ``paramiko.SSHConfig`` for ``path`` (an empty one for None)."""
+    import paramiko
+
+    if not path:
+        return paramiko.SSHConfig()
+    try:
+        return paramiko.SSHConfig.from_path(path)
+    except OSError as exc:
+        from launcher.errors import UsageError
+
+        raise UsageError(f"ssh config {path}: {exc.strerror}") from None
+
+
+def ssh_target(host, config=None, config_path: Optional[str] = None) -> SshTarget:
+    """Resolve one ``HostSlots`` (or a bare name) through a parsed ssh config.
+
+    Settings a cluster file gives for the host (user, port, identity_file) win over
+    the ssh config, as they do in the config dtrun writes for mpirun.
+    """
+    name = getattr(host, "host", host)
+    opts = config.lookup(name) if config is not None else {}
+    user = getattr(host, "user", None) or opts.get("user") or _local_user()
+    port = int(getattr(host, "port", None) or opts.get("port") or 22)
+    ids = tuple(opts.get("identityfile", ()))
+    own = getattr(host, "identity_file", None)
+    if own:
+        ids = (own,) + ids
+    known = tuple(opts["userknownhostsfile"].split()) if opts.get("userknownhostsfile") else DEFAULT_KNOWN_HOSTS
+    known_global = (tuple(opts["globalknownhostsfile"].split()) if opts.get("globalknownhostsfile")
+                    else GLOBAL_KNOWN_HOSTS)
+    return SshTarget(
+        name=name,
+        hostname=opts.get("hostname") or name,
+        port=port,
+        user=user,
+        identity_files=tuple(os.path.expanduser(i) for i in ids),
+        identities_only=str(opts.get("identitiesonly", "no")).lower() == "yes",
+        known_hosts=tuple(os.path.expanduser(k) for k in known),
+        global_known_hosts=tuple(os.path.expanduser(k) for k in known_global),
+        host_key_alias=opts.get("hostkeyalias"),
+        config=config_path,
+    )
+
+
+def _local_user() -> str:
+    import getpass
+
+    return getpass.getuser()
+
+
+def fingerprint(key) -> str:
+    """OpenSSH's ``SHA256:...`` fingerprint of a paramiko key."""
+    return key.fingerprint
+
+
+def describe_key(key) -> str:
+    return f"{key.get_name()} {fingerprint(key)}"
+
+
+# ---- known_hosts -------------------------------------------------------------------------------
+
+def known_host_keys(target: SshTarget):
+    """(file, {keytype: key}) of the first known_hosts file that lists the host, else (None, {})."""
+    import paramiko
+
+    name = target.known_hosts_name
+    for path in target.known_hosts + target.global_known_hosts:
+        if not os.path.isfile(path):
+            continue
+        keys = paramiko.HostKeys()
+        try:
+            keys.load(path)
+        except OSError:
+            continue
+        found = keys.lookup(name)
+        if found:
+            return path, {k: found[k] for k in found.keys()}
+    return None, {}
+
+
+def _prefer_known_types(transport, known: dict) -> None:
+    """Ask for a host key type we already know (as OpenSSH and paramiko's SSHClient do)."""
+    if not known:
+        return
+    opts = transport.get_security_options()
+    wanted = []
+    for kt in known:
+        wanted += ["rsa-sha2-512", "rsa-sha2-256", "ssh-rsa"] if kt == "ssh-rsa" else [kt]
+    offered = list(opts.key_types)
+    first = [k for k in wanted if k in offered]
+    opts.key_types = first + [k for k in offered if k not in first]
+
+
+def verify_host_key(target: SshTarget, server_key, known_file: Optional[str], known: dict) -> None:
+    """Raise HostKeyUnknown / HostKeyChanged unless ``server_key`` is recorded for the host."""
+    keyscan = "dtrun keyscan" + (f" --ssh-config {target.config}" if target.config else "") + f" {target.name}"
+    if not known:
+        files = ", ".join(target.known_hosts)
+        raise HostKeyUnknown(
+            target.name,
+            f"host key of {target.known_hosts_name} ({describe_key(server_key)}) is not in {files}; "
+            f"ssh and mpirun would stop at a yes/no prompt or refuse",
+            f"check the fingerprint with the host's administrator, then run `{keyscan}`",
+        )
+    recorded = known.get(server_key.get_name())
+    if recorded is None and len(known) == 1 and server_key.get_name().startswith("ssh-rsa"):
+        recorded = next(iter(known.values()))
+    if recorded is not None and recorded == server_key:
+        return
+    old = recorded if recorded is not None else next(iter(known.values()))
+    raise HostKeyChanged(
+        target.name,
+        f"HOST KEY CHANGED: {target.known_hosts_name} presents {describe_key(server_key)} but {known_file} "
+        f"records {describe_key(old)} — someone may be intercepting the connection, or the host was reinstalled; "
+        f"dtrun will not connect",
+        f"verify the new key out of band; only if the host was really reinstalled, remove the old entry "
+        f"(ssh-keygen -R '{target.known_hosts_name}' -f {known_file}) and run `{keyscan}`",
+    )
+
+
+# ---- connecting --------------------------------------------------------------------------------
+
+def resolve(target: SshTarget, timeout: float) -> list:
+    """getaddrinfo under a timeout (a dead DNS server must not hold the host's slot forever)."""
+    result: list = []
+    error: list = []
+
+    def work():
+        try:
+            result.extend(socket.getaddrinfo(target.hostname, target.port, type=socket.SOCK_STREAM))
+        except OSError as exc:
+            error.append(exc)
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    t.join(timeout)
+    via = f" (HostName {target.hostname} from {target.config})" if target.hostname != target.name else ""
+    if t.is_alive():
+        raise NameNotResolved(target.name, f"resolving {target.hostname}{via} took more than {timeout:g} s",
+                              "check the DNS servers in /etc/resolv.conf, or add the host to /etc/hosts")
+    if error or not result:
+        raise NameNotResolved(target.name, f"name {target.hostname}{via} does not resolve",
+                              "fix the spelling, add it to /etc/hosts or DNS, or give HostName in the ssh config")
+    # IPv4 first: the clusters this targets name hosts by IPv4, and a dead IPv6 route only costs time.
+    return sorted(result, key=lambda ai: ai[0] != socket.AF_INET)
+
+
+def tcp_connect(target: SshTarget, timeout: float) -> socket.socket:
+    """A connected socket to the SSH port, or the reason there is none."""
+    last = None
+    for family, socktype, proto, _, addr in resolve(target, timeout):
+        sock = socket.socket(family, socktype, proto)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(addr)
+            return sock
+        except socket.timeout:
+            sock.close()
+            raise ConnectTimeout(
+                target.name,
+                f"TCP to {target.where} ({addr[0]}) timed out after {timeout:g} s: the host is down, or a firewall "
+                f"drops SSH packets",
+                f"check that {target.name} is up (ping, console) and that its firewall allows TCP port {target.port}",
+            ) from None
+        except ConnectionRefusedError:
+            sock.close()
+            raise ConnectRefused(
+                target.name,
+                f"TCP to {target.where} ({addr[0]}) refused: the host is up but sshd is not listening on port {target.port}",
+                f"start sshd on {target.name} (systemctl start ssh), or give the right Port in the ssh config",
+            ) from None
+        except OSError as exc:
+            sock.close()
+            last = (addr, exc)
+    addr, exc = last
+    code = errno.errorcode.get(exc.errno, "")
+    raise HostUnreachable(
+        target.name,
+        f"TCP to {target.where} ({addr[0]}) failed: {exc.strerror or exc} ({code}): no route to the host",
+        f"check that {target.name} is up and that this host has a route to {addr[0]}",
+    )
+
+
+def _keys_to_try(target: SshTarget):
+    """(label, key) pairs in OpenSSH's order: agent, then identity files; skipped files with reasons."""
+    import paramiko
+
+    skipped = []
+    keys = []
+    if not target.identities_only and os.environ.get("SSH_AUTH_SOCK"):
+        try:
+            keys += [(f"agent key {k.fingerprint}", k) for k in paramiko.Agent().get_keys()]
+        except paramiko.SSHException:
+            skipped.append("the ssh agent did not answer")
+    files = target.identity_files or tuple(os.path.expanduser(p) for p in DEFAULT_IDENTITIES)
+    for path in files:
+        if not os.path.isfile(path):
+            if target.identity_files:
+                skipped.append(f"{path} does not exist")
+            continue
+        try:
+            keys.append((path, paramiko.PKey.from_path(path)))
+        except paramiko.PasswordRequiredException:
+            skipped.append(f"{path} is protected by a passphrase (load it into ssh-agent: ssh-add {path})")
+        except (paramiko.SSHException, OSError, ValueError) as exc:
+            skipped.append(f"{path} cannot be read ({exc})")
+    return keys, skipped
+
+
+def authenticate(transport, target: SshTarget) -> str:
+    """Public-key authentication only: returns which key worked; never prompts."""
+    import paramiko
+
+    keys, skipped = _keys_to_try(target)
+    tried = []
+    for label, key in keys:
+        try:
+            rest = transport.auth_publickey(target.user, key)
+        except paramiko.BadAuthenticationType as exc:
+            raise AuthenticationError(
+                target.name,
+                f"{target.user}@{target.name} does not accept keys (server allows: {', '.join(exc.allowed_types)}); "
+                f"mpirun cannot type a password",
+                f"enable PubkeyAuthentication on {target.name} and install your public key there (ssh-copy-id)",
+            ) from None
+        except paramiko.AuthenticationException:
+            tried.append(label)
+            continue
+        except paramiko.SSHException as exc:
+            raise SshProtocolError(target.name, f"authentication as {target.user} failed: {exc}",
+                                   "run `ssh -v` to that host to see where it stops") from None
+        if rest:
+            raise AuthenticationError(
+                target.name,
+                f"{target.user}@{target.name} accepted {label} but then asks for {', '.join(rest)} "
+                f"(a second factor): mpirun cannot answer prompts",
+                f"allow key-only login for {target.user} from this network on {target.name}",
+            )
+        return label
+    detail = f"no key was accepted for {target.user}@{target.name}"
+    detail += f" (tried: {', '.join(tried)})" if tried else " (no key to try)"
+    if skipped:
+        detail += "; " + "; ".join(skipped)
+    raise AuthenticationError(
+        target.name, detail + "; ssh would ask for a password, which mpirun cannot give",
+        f"install your public key on {target.name} (ssh-copy-id {target.user}@{target.name}) or set IdentityFile "
+        f"in the ssh config",
+    )
+
+
+@dataclass
+class SshConnection:
+    """An authenticated connection to one host, reused by all of that host's checks."""
+
+    target: SshTarget
+    transport: object
+    key_label: str = ""
+    host_key: str = ""
+    timings: dict = field(default_factory=dict)
+
+    def open_channel(self, command: str, timeout: float):
+        """Start ``command`` (one line for the remote shell) and return the paramiko channel."""
+        import paramiko
+
+        try:
+            chan = self.transport.open_session(timeout=timeout)
+            chan.settimeout(timeout)
+            chan.exec_command(command)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise RemoteCommandError(self.target.name, f"cannot start a command over SSH: {exc}",
+                                     f"check MaxSessions and the login shell of {self.target.user} on {self.target.name}") from None
+        return chan
+
+    def run(self, command: str, timeout: float, stdin: bytes = b"") -> tuple[int, str, str]:
+        """(exit status, stdout, stderr) of one remote command, bounded by ``timeout``."""
+        chan = self.open_channel(command, timeout)
+        try:
+            if stdin:
+                chan.sendall(stdin)
+            chan.shutdown_write()
+            out, err = read_until_exit(chan, time.monotonic() + timeout, self.target.name)
+            return chan.recv_exit_status(), out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+        finally:
+            chan.close()
+
+    def close(self) -> None:
+        try:
+            self.transport.close()
+        except Exception:  # closing a half-dead transport must not hide the real finding
+            pass
+
+
+def read_until_exit(chan, deadline: float, host: str) -> tuple[bytes, bytes]:
+    import select
+
+    out, err = bytearray(), bytearray()
+    while True:
+        while chan.recv_ready():
+            out += chan.recv(65536)
+        while chan.recv_stderr_ready():
+            err += chan.recv_stderr(65536)
+        if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+            if chan.eof_received:
+                return bytes(out), bytes(err)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CheckTimeout(host, "remote command did not finish in time", "see the other findings for this host")
+        select.select([chan], [], [], min(left, 0.5))
+
+
+def connect(target: SshTarget, timeout: float = DEFAULT_TIMEOUT_S) -> SshConnection:
+    """TCP connect, SSH negotiation, host key check and key authentication, each timed.
+
+    Raises:
+        NameNotResolved, ConnectRefused, ConnectTimeout, HostUnreachable, SshProtocolError,
+        HostKeyUnknown, HostKeyChanged, AuthenticationError: each with the cause and the fix.
+    """
+    import paramiko
+
+    t0 = time.monotonic()
+    sock = tcp_connect(target, timeout)
+    t_tcp = time.monotonic()
+    known_file, known = known_host_keys(target)
+    transport = paramiko.Transport(sock)
+    ok = False
+    try:
+        transport.banner_timeout = timeout
+        transport.auth_timeout = timeout
+        _prefer_known_types(transport, known)
+        try:
+            transport.start_client(timeout=timeout)
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            what = str(exc) or type(exc).__name__
+            if "banner" in what.lower() or isinstance(exc, (EOFError, socket.timeout)):
+                raise SshProtocolError(
+                    target.name,
+                    f"TCP to {target.where} connected but no SSH greeting came within {timeout:g} s ({what}): "
+                    f"sshd is overloaded, or something else listens on port {target.port}",
+                    f"check sshd on {target.name} (journalctl -u ssh) and MaxStartups",
+                ) from None
+            raise SshProtocolError(target.name, f"SSH negotiation with {target.where} failed: {what}",
+                                   "compare the ciphers and key types of this ssh client and the host's sshd") from None
+        server_key = transport.get_remote_server_key()
+        verify_host_key(target, server_key, known_file, known)
+        t_kex = time.monotonic()
+        label = authenticate(transport, target)
+        ok = True
+    finally:
+        if not ok:
+            transport.close()
+    t_auth = time.monotonic()
+    return SshConnection(target, transport, label, describe_key(server_key),
+                         {"tcp": t_tcp - t0, "kex": t_kex - t_tcp, "auth": t_auth - t_kex, "total": t_auth - t0})
+
+
+def connect_all(targets: Sequence[SshTarget], timeout: float, workers: int = 32):
+    """Connect to every target in parallel; {name: SshConnection or CheckError}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from checks.errors import CheckError
+
+    def one(t):
+        try:
+            return connect(t, timeout)
+        except CheckError as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(targets)))) as pool:
+        return dict(zip([t.name for t in targets], pool.map(one, targets)))
