@@ -1,0 +1,206 @@
+"""The remote environment as mpirun will see it: PATH, libraries, MPI, Python, paths.
+
+The probe reports what a non-interactive shell on the host has (the same shell
+``ssh host cmd`` and mpirun's daemons get); ``env_findings`` compares it with this
+host's ``LocalFacts`` and names both values of every mismatch. Pure.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from checks.result import FAIL, OK, WARN, Finding
+
+CHECK = "env"
+DAEMONS = {("openmpi", 5): "prted", ("openmpi", 4): "orted", ("mpich", 0): "hydra_pmi_proxy"}
+NON_INTERACTIVE_FIX = ("set it for non-interactive shells on {host}: at the top of ~/.bashrc, before its "
+                       "'[ -z \"$PS1\" ] && return' line, or with SetEnv in {host}'s sshd_config")
+
+
+def daemon_name(kind: str, major: int) -> str:
+    """The program mpirun starts on every remote host: prted (Open MPI 5), orted (4), hydra_pmi_proxy."""
+    if kind == "openmpi":
+        return DAEMONS[("openmpi", 5 if major >= 5 else 4)]
+    return DAEMONS[("mpich", 0)]
+
+
+@dataclass(frozen=True)
+class LocalFacts:
+    """The launching host's side of every comparison."""
+
+    mpi_kind: str
+    mpi_version: tuple[int, ...]
+    mpi_label: str
+    mpirun: str
+    daemon: str  # name
+    daemon_path: Optional[str]
+    python: str
+    python_version: str
+    mpi4py: Optional[str]
+    path: str
+    ld_library_path: Optional[str]
+    cwd: str
+    program: Optional[str] = None
+
+    def probe_request(self) -> dict:
+        """What the probe needs to look at; data, sent as JSON."""
+        from checks.remote_probe import NAMES, signature
+
+        paths = {"python": self.python, "cwd": self.cwd, "mpirun": self.mpirun}
+        if self.daemon_path:
+            paths["daemon"] = self.daemon_path
+        if self.program:
+            paths["program"] = self.program
+        return {"paths": paths, "mpirun_sig": signature(self.mpirun), "launch_path": self.path,
+                "names": list(NAMES)}
+
+
+def local_facts(flavor, local_report: Optional[Mapping], program: Optional[str],
+                environ: Optional[Mapping[str, str]] = None) -> LocalFacts:
+    """This host's facts: the flavor from launcher.flavors, Python and mpi4py from the local probe."""
+    environ = os.environ if environ is None else environ
+    daemon = daemon_name(flavor.kind, flavor.major)
+    path = os.path.join(os.path.dirname(flavor.mpirun), daemon)
+    py = (local_report or {}).get("python") or {}
+    return LocalFacts(
+        mpi_kind=flavor.kind, mpi_version=tuple(flavor.version), mpi_label=flavor.label, mpirun=flavor.mpirun,
+        daemon=daemon, daemon_path=path if os.path.exists(path) else None,
+        python=sys.executable, python_version=py.get("version") or "%d.%d.%d" % sys.version_info[:3],
+        mpi4py=py.get("mpi4py"), path=environ.get("PATH", ""), ld_library_path=environ.get("LD_LIBRARY_PATH") or None,
+        cwd=os.getcwd(), program=os.path.abspath(program) if program else None,
+    )
+
+
+def _mpi_label(text: Optional[str]) -> Optional[str]:
+    """'Open MPI 4.1.4' from --version output, or the first line when dtrun does not know it."""
+    from launcher.errors import MpiFlavorError
+    from launcher.flavors import Flavor, parse_version_output
+
+    if not text:
+        return None
+    try:
+        kind, version = parse_version_output(text)
+    except MpiFlavorError:
+        return (text.strip().splitlines() or ["no output"])[0][:80]
+    return Flavor(kind, version).label
+
+
+def env_findings(host: str, rep: Mapping, local: LocalFacts) -> list[Finding]:
+    """Findings of the env check for one host from its probe report."""
+    if rep.get("error"):
+        return [Finding(host, CHECK, FAIL, f"the probe failed on {host}: {rep['error']}",
+                        f"run `ssh {host} python3 -V` to see what a non-interactive shell there can run")]
+    out: list[Finding] = []
+    env = rep.get("env") or {}
+    rpath = env.get("PATH") or ""
+    which = rep.get("which") or {}
+    paths = rep.get("paths") or {}
+    versions = rep.get("versions") or {}
+
+    def add(status, detail, fix=""):
+        out.append(Finding(host, CHECK, status, detail, fix))
+
+    # --- the MPI install dtrun launches from (same absolute path as here) ---
+    mine = paths.get("mpirun") or {}
+    if not mine.get("exec"):
+        add(FAIL, f"{local.mpirun} does not exist on {host} ({local.mpi_label} is there on this host); mpirun "
+                  f"starts the remote daemons from the same installation path",
+            f"install {local.mpi_label} at the same path on {host} (a shared file system or the same virtual "
+            f"environment on every host)")
+    else:
+        label = _mpi_label(versions.get(local.mpirun))
+        if label and label != local.mpi_label:
+            add(FAIL, f"{local.mpirun} on {host} is {label}; on this host it is {local.mpi_label}: "
+                      f"daemons of different versions cannot talk",
+                f"install {local.mpi_label} on {host} at {os.path.dirname(local.mpirun)}")
+    # --- what the remote non-interactive PATH finds ---
+    daemon_on_path = which.get(local.daemon)
+    daemon_here = (paths.get("daemon") or {}).get("exec")
+    if not daemon_on_path:
+        if daemon_here:
+            add(WARN, f"{local.daemon} is not on {host}'s non-interactive PATH ({rpath or 'unset'}); dtrun starts "
+                      f"mpirun by its absolute path, so {local.mpi_label} finds {local.daemon} at {local.daemon_path}, "
+                      f"but a plain `mpirun` fails there with '{local.daemon}: command not found'",
+                f"put {os.path.dirname(local.mpirun)} on PATH for non-interactive shells on {host} "
+                f"(top of ~/.bashrc, before the interactive guard), or always launch with dtrun")
+        else:
+            add(FAIL, f"{local.daemon} (the daemon mpirun starts on every host) is neither on {host}'s "
+                      f"non-interactive PATH ({rpath or 'unset'}) nor at {local.daemon_path or 'the launch path'}",
+                f"install {local.mpi_label} on {host} at the same path as here")
+    for name in ("mpirun", "mpiexec"):
+        found = which.get(name)
+        if not found or found == local.mpirun:
+            continue
+        label = _mpi_label(versions.get(found))
+        if label and label != local.mpi_label:
+            add(WARN, f"`{name}` on {host}'s non-interactive PATH is {label} ({found}); this host launches "
+                      f"{local.mpi_label} ({local.mpirun})",
+                f"dtrun runs mpirun by absolute path and is not affected; put {os.path.dirname(local.mpirun)} "
+                f"before {os.path.dirname(found)} on {host}'s PATH so that a plain `{name}` and other tools agree")
+            break
+    # --- Python, mpi4py and the libraries it loads ---
+    py = rep.get("python") or {}
+    ld = env.get("LD_LIBRARY_PATH")
+    if not (paths.get("python") or {}).get("exec"):
+        add(FAIL, f"{local.python} (Python {local.python_version}, the job's interpreter here) does not exist on "
+                  f"{host}; its non-interactive PATH finds python3 at {which.get('python3') or 'nowhere'}",
+            f"create the same virtual environment at the same path on {host}, or use a shared file system")
+    elif py.get("is_job_python"):
+        if py.get("version") != local.python_version:
+            add(FAIL, f"{local.python} on {host} is Python {py.get('version')}; here it is {local.python_version}",
+                f"use the same Python version on every host (pickled objects and compiled extensions differ)")
+        if py.get("mpi4py_error"):
+            err = py["mpi4py_error"]
+            lib = "cannot open shared object" in err or "libmpi" in err or err.startswith("OSError")
+            add(FAIL, f"mpi4py does not load on {host}: {err}" +
+                (f" (LD_LIBRARY_PATH there: {ld or 'unset'}; here: {local.ld_library_path or 'unset'})" if lib else ""),
+                NON_INTERACTIVE_FIX.format(host=host).replace("set it", "set LD_LIBRARY_PATH") if lib
+                else f"pip install mpi4py in {os.path.dirname(os.path.dirname(local.python))} on {host}")
+        elif local.mpi4py and py.get("mpi4py") != local.mpi4py:
+            add(WARN, f"mpi4py {py.get('mpi4py')} on {host}, {local.mpi4py} here",
+                f"install mpi4py=={local.mpi4py} on {host}")
+    if local.ld_library_path and ld != local.ld_library_path:
+        missing = [d for d in local.ld_library_path.split(":") if d and d not in (ld or "").split(":")]
+        if missing:
+            add(WARN, f"LD_LIBRARY_PATH in a non-interactive shell on {host} is {ld or 'unset'}; here it is "
+                      f"{local.ld_library_path} (missing there: {':'.join(missing)}); dtrun forwards it to the ranks "
+                      f"(-x LD_LIBRARY_PATH), but mpirun's daemons and plain `ssh {host} cmd` start without it",
+                NON_INTERACTIVE_FIX.format(host=host).replace("set it", f"set LD_LIBRARY_PATH={local.ld_library_path}"))
+    # --- the working directory and the program ---
+    if not (paths.get("cwd") or {}).get("isdir"):
+        add(FAIL, f"the working directory {local.cwd} does not exist on {host}; mpirun starts every rank there",
+            f"create it on {host}, or launch from a directory on the shared file system")
+    if local.program and not (paths.get("program") or {}).get("exists"):
+        add(FAIL, f"the program {local.program} does not exist on {host}",
+            f"copy it to {host} at the same path (rsync -a {local.program} {host}:{local.program}), or keep code on "
+            f"a shared file system")
+    if not any(f.status != OK for f in out):
+        extra = f", {local.program} present" if local.program else ""
+        mpi4py = f" with mpi4py {py.get('mpi4py')}" if py.get("mpi4py") else ""
+        add(OK, f"{local.mpi_label}, {local.daemon} on PATH; Python {py.get('version')}{mpi4py}; "
+                f"{local.cwd} present{extra}")
+    return out
+
+
+def consistency_findings(reports: Mapping[str, Mapping], local: LocalFacts) -> list[Finding]:
+    """LD_LIBRARY_PATH that differs between hosts (the odd ones out are named with both values)."""
+    from collections import Counter
+
+    values = {h: (r.get("env") or {}).get("LD_LIBRARY_PATH") or "" for h, r in reports.items() if not r.get("error")}
+    if len(set(values.values())) < 2:
+        return []
+    counts = Counter(values.values())
+    common = max(counts, key=lambda v: (counts[v], bool(v)))
+    holders = sorted(h for h, v in values.items() if v == common)
+    out = []
+    for h, v in values.items():
+        if v == common or (local.ld_library_path and v != local.ld_library_path):
+            continue  # the comparison with this host already named it
+        out.append(Finding(h, CHECK, WARN,
+                           f"LD_LIBRARY_PATH in a non-interactive shell on {h} is {v or 'unset'}; on "
+                           f"{', '.join(holders)} it is {common or 'unset'}: libraries found there may be missing here",
+                           NON_INTERACTIVE_FIX.format(host=h).replace("set it", f"set LD_LIBRARY_PATH={common}")
+                           if common else f"unset LD_LIBRARY_PATH on {h} or set it on the others alike"))
+    return out
