@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import zlib
 from typing import Any
 
 import numpy as np
@@ -255,7 +256,9 @@ def _empty_like(d: _Dev, shape: tuple) -> Any:
 
 # ----------------------------------------------------------------------------- NCCL
 class _UniqueId(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_char * 128)]
+    # c_ubyte, not c_char: a c_char array field reads back as bytes cut at the first NUL,
+    # which silently corrupts the id (NCCL then dials a garbage address for a minute).
+    _fields_ = [("internal", ctypes.c_ubyte * 128)]
 
 
 _NCCL_DTYPE = {
@@ -299,6 +302,7 @@ class Nccl:
         v = ci()
         self.check(lib.ncclGetVersion(ctypes.byref(v)), "ncclGetVersion")
         self.version = v.value  # e.g. 22809 for 2.28.9
+        self.rank: int | None = None  # set once a communicator exists, for messages
 
     @staticmethod
     def _find() -> str:
@@ -321,12 +325,12 @@ class Nccl:
     def check(self, status: int, what: str) -> None:
         if status != 0:
             msg = self.lib.ncclGetErrorString(status).decode(errors="replace")
-            raise CollectiveError(what, None, f"NCCL error {status}: {msg}")
+            raise CollectiveError(what, self.rank, f"NCCL error {status}: {msg}")
 
     def unique_id(self) -> bytes:
         uid = _UniqueId()
         self.check(self.lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
-        return bytes(uid.internal)
+        return ctypes.string_at(ctypes.addressof(uid), 128)
 
     def init_rank(self, nranks: int, uid: bytes, rank: int) -> ctypes.c_void_p:
         comm = ctypes.c_void_p()
@@ -360,7 +364,8 @@ class GpuContext:
                 lib = Nccl()
             except (OSError, AttributeError, CollectiveError) as e:
                 ok, why = 0, f"libnccl not loadable ({e})"
-        ident = hash((self.comm.host, _pci_id(d))) & 0x7FFFFFFFFFFF
+        # Stable across processes (str hash() is salted per process).
+        ident = zlib.crc32(f"{self.comm.host}|{_pci_id(d)}".encode())
         table = np.empty((self.comm.size, 2), dtype=np.int64)
         self.comm.mpi.Allgather(np.array([ok, ident], dtype=np.int64), table)
         if len(set(table[:, 1].tolist())) < self.comm.size:
@@ -374,7 +379,14 @@ class GpuContext:
         uid = np.frombuffer(lib.unique_id() if self.comm.rank == 0 else bytes(128),
                             dtype=np.uint8).copy()
         self.comm.mpi.Bcast(uid, root=0)
-        self.nccl_comm = lib.init_rank(self.comm.size, uid.tobytes(), self.comm.rank)
+        lib.rank = self.comm.rank
+        try:
+            self.nccl_comm = lib.init_rank(self.comm.size, uid.tobytes(), self.comm.rank)
+        except CollectiveError as e:
+            self.nccl_error = f"ncclCommInitRank failed: {e.problem}"
+            raise DeviceError("nccl setup", self.comm.rank, f"{e.problem}; set DTRUN_NCCL=0 to "
+                              "move GPU arrays through MPI instead, NCCL_DEBUG=INFO to see "
+                              "why") from None
         self.nccl = lib
 
     def pinned(self, slot: int, nbytes: int, lib: str, fresh: bool = False) -> Any:

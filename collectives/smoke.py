@@ -336,10 +336,14 @@ def main(argv: list[str] | None = None) -> int:
     watchdog.start()
     device = "cpu"
     try:
+        watchdog.arm(f"setting up --device {args.device}")
         A = Arrays(args.device)
         if args.device == "cuda":
             from . import gpu
-            device = gpu.describe_device()
+            # Collective the first time (all ranks agree on NCCL); shows the path taken.
+            path = gpu.gpu_path(comm, "allreduce", A.make(np.ones(1), "float32"), "sum")
+            device = f"{gpu.describe_device()} [{path}]"
+        watchdog.disarm()
     except Exception as e:
         print(f"smoke: rank {comm.rank} ({comm.host}): cannot use --device {args.device}: {e}",
               file=sys.stderr, flush=True)
