@@ -87,11 +87,17 @@ def _mpi_label(text: Optional[str]) -> Optional[str]:
     return Flavor(kind, version).label
 
 
-def env_findings(host: str, rep: Mapping, local: LocalFacts) -> list[Finding]:
-    """Findings of the env check for one host from its probe report."""
+def env_findings(host: str, rep: Mapping, local: LocalFacts, is_this_host: bool = False) -> list[Finding]:
+    """Findings of the env check for one host from its probe report.
+
+    This host (``localhost`` in the host list) is the reference the others are compared
+    with; mpirun starts its ranks there without a remote shell, so PATH is not a concern.
+    """
     if rep.get("error"):
         return [Finding(host, CHECK, FAIL, f"the probe failed on {host}: {rep['error']}",
                         f"run `ssh {host} python3 -V` to see what a non-interactive shell there can run")]
+    if is_this_host:
+        return this_host_findings(host, rep, local)
     out: list[Finding] = []
     env = rep.get("env") or {}
     rpath = env.get("PATH") or ""
@@ -182,6 +188,16 @@ def env_findings(host: str, rep: Mapping, local: LocalFacts) -> list[Finding]:
         add(OK, f"{local.mpi_label}, {local.daemon} on PATH; Python {py.get('version')}{mpi4py}; "
                 f"{local.cwd} present{extra}")
     return out
+
+
+def this_host_findings(host: str, rep: Mapping, local: LocalFacts) -> list[Finding]:
+    py = rep.get("python") or {}
+    if py.get("mpi4py_error"):
+        return [Finding(host, CHECK, FAIL, f"mpi4py does not load on this host: {py['mpi4py_error']}",
+                        f"pip install mpi4py into {os.path.dirname(os.path.dirname(local.python))}")]
+    mpi4py = f" with mpi4py {py['mpi4py']}" if py.get("mpi4py") else " without mpi4py"
+    return [Finding(host, CHECK, OK, f"this host, the reference for the others: {local.mpi_label} ({local.mpirun}), "
+                                     f"Python {py.get('version')}{mpi4py}")]
 
 
 def consistency_findings(reports: Mapping[str, Mapping], local: LocalFacts) -> list[Finding]:

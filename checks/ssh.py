@@ -62,7 +62,8 @@ class SshTarget:
 
     @property
     def where(self) -> str:
-        return f"{self.hostname}:{self.port}"
+        """"h3 (10.0.0.3:22)": the name the user knows and where it leads."""
+        return f"{self.name} ({self.hostname}:{self.port})"
 
 
 def default_ssh_config() -> Optional[str]:
@@ -231,7 +232,7 @@ def tcp_connect(target: SshTarget, timeout: float) -> socket.socket:
             sock.close()
             raise ConnectTimeout(
                 target.name,
-                f"TCP to {target.where} ({addr[0]}) timed out after {timeout:g} s: the host is down, or a firewall "
+                f"TCP to {target.name} ({addr[0]}:{target.port}) timed out after {timeout:g} s: the host is down, or a firewall "
                 f"drops SSH packets",
                 f"check that {target.name} is up (ping, console) and that its firewall allows TCP port {target.port}",
             ) from None
@@ -239,7 +240,7 @@ def tcp_connect(target: SshTarget, timeout: float) -> socket.socket:
             sock.close()
             raise ConnectRefused(
                 target.name,
-                f"TCP to {target.where} ({addr[0]}) refused: the host is up but sshd is not listening on port {target.port}",
+                f"TCP to {target.name} ({addr[0]}:{target.port}) refused: the host is up but sshd is not listening on port {target.port}",
                 f"start sshd on {target.name} (systemctl start ssh), or give the right Port in the ssh config",
             ) from None
         except OSError as exc:
@@ -249,7 +250,7 @@ def tcp_connect(target: SshTarget, timeout: float) -> socket.socket:
     code = errno.errorcode.get(exc.errno, "")
     raise HostUnreachable(
         target.name,
-        f"TCP to {target.where} ({addr[0]}) failed: {exc.strerror or exc} ({code}): no route to the host",
+        f"TCP to {target.name} ({addr[0]}:{target.port}) failed: {exc.strerror or exc} ({code}): no route to the host",
         f"check that {target.name} is up and that this host has a route to {addr[0]}",
     )
 

@@ -25,6 +25,7 @@ _HOSTFILE = typer.Option(None, "--hostfile", "-f", help="Open MPI ('host slots=N
 _CLUSTER = typer.Option(None, "--cluster", help="YAML cluster file (per-host slots, user, port, identity_file).")
 _INCLUDE = typer.Option([], "--include", help="Only these hosts (comma-separated, repeatable).")
 _EXCLUDE = typer.Option([], "--exclude", help="Leave out these hosts (comma-separated, repeatable).")
+_SSH_CONFIG = typer.Option(None, "--ssh-config", help="ssh config file for reaching the hosts (also $DTRUN_SSH_CONFIG).")
 
 
 @run_app.command(
@@ -52,8 +53,9 @@ def run(
     nccl_debug: Optional[str] = typer.Option(None, "--nccl-debug", help="Set NCCL_DEBUG=LEVEL on every rank (e.g. INFO, WARN)."),
     no_tree_spawn: bool = typer.Option(False, "--no-tree-spawn", help="Start all remote daemons from this host (Open MPI)."),
     mpirun: Optional[str] = typer.Option(None, "--mpirun", help="The mpirun/mpiexec to use (default: the one in this environment, then PATH)."),
-    ssh_config: Optional[str] = typer.Option(None, "--ssh-config", help="ssh config file for reaching the hosts (also $DTRUN_SSH_CONFIG)."),
+    ssh_config: Optional[str] = _SSH_CONFIG,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the mpirun command with the reason for each flag; run nothing."),
+    no_preflight: bool = typer.Option(False, "--no-preflight", help="Skip the check of ssh and interfaces before a multi-host launch."),
     traceback: bool = typer.Option(False, "--traceback", help="Show the Python traceback of an error."),
 ):
     """Launch PROGRAM on the hosts with mpirun, with the flags experienced users add by hand."""
@@ -66,6 +68,7 @@ def run(
         include_iface=include_iface, exclude_iface=exclude_iface, env=tuple(env), mca=tuple(tuple(m.split("=", 1)) for m in mca),
         mpi_args=mpi_args, tag_output=tag_output, log_dir=log_dir, nccl_debug=nccl_debug,
         no_tree_spawn=no_tree_spawn, mpirun=mpirun, ssh_config=ssh_config, dry_run=dry_run,
+        preflight=not no_preflight,
     )
     raise typer.Exit(launch(opts))
 
@@ -83,6 +86,48 @@ def hosts_cmd(
     from launcher.hostsview import HostsQuery, show_hosts
 
     raise typer.Exit(show_hosts(HostsQuery(host_list, hostfile, cluster, tuple(include), tuple(exclude), json_out)))
+
+
+_TIMEOUT = typer.Option(5.0, "--timeout", help="Seconds each network step (connect, handshake, probe) may take.")
+
+
+@sub_app.command("doctor")
+def doctor_cmd(
+    host_list: Optional[str] = _H,
+    hostfile: Optional[str] = _HOSTFILE,
+    cluster: Optional[str] = _CLUSTER,
+    include: List[str] = _INCLUDE,
+    exclude: List[str] = _EXCLUDE,
+    ssh_config: Optional[str] = _SSH_CONFIG,
+    timeout: float = _TIMEOUT,
+    json_out: bool = typer.Option(False, "--json", help="Print the findings as JSON (for CI)."),
+    all_pairs: bool = typer.Option(False, "--all-pairs", help="Also check ssh from every host to every other."),
+    program: Optional[str] = typer.Option(None, "--program", help="A script that must exist at the same path on every host."),
+    no_e2e: bool = typer.Option(False, "--no-e2e", help="Skip the end-to-end job."),
+    e2e_timeout: Optional[float] = typer.Option(None, "--e2e-timeout", help="Seconds the end-to-end job may take before it counts as a hang (default 40)."),
+):
+    """Check ssh, environment, network, firewall and GPUs on every host; say what to fix."""
+    from checks.doctor import DoctorSpec, run_doctor
+
+    raise typer.Exit(run_doctor(DoctorSpec(
+        host_list, hostfile, cluster, tuple(include), tuple(exclude), ssh_config, timeout, json_out, all_pairs,
+        program, not no_e2e, e2e_timeout)))
+
+
+@sub_app.command("keyscan")
+def keyscan_cmd(
+    hosts: List[str] = typer.Argument(None, help="Host names (comma-separated or several)."),
+    host_list: Optional[str] = _H,
+    hostfile: Optional[str] = _HOSTFILE,
+    cluster: Optional[str] = _CLUSTER,
+    ssh_config: Optional[str] = _SSH_CONFIG,
+    timeout: float = _TIMEOUT,
+    yes: bool = typer.Option(False, "--yes", "-y", help="Add unknown keys without asking (for scripts)."),
+):
+    """Show each host's SSH key fingerprint and add unknown keys to known_hosts after confirmation."""
+    from checks.keyscan import KeyscanSpec, keyscan
+
+    raise typer.Exit(keyscan(KeyscanSpec(tuple(hosts or ()), host_list, hostfile, cluster, ssh_config, timeout, yes)))
 
 
 @sub_app.command("smoke", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

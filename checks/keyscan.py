@@ -1,0 +1,133 @@
+"""``dtrun keyscan``: the safe form of ``ssh-keyscan HOST >> ~/.ssh/known_hosts``.
+
+Fetches each host's key (SSH negotiation only, no login), shows its fingerprint,
+and appends it to the known_hosts file the ssh config names only after the user
+confirms (``--yes`` for scripts). A key that differs from a recorded one is never
+replaced: that is the case where someone may be intercepting the connection.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional, TextIO
+
+from checks.errors import CheckError, HostKeyChanged, HostKeyUnknown, SshProtocolError
+from launcher.errors import ExitCode, UsageError
+
+
+@dataclass(frozen=True)
+class KeyscanSpec:
+    hosts: tuple[str, ...] = ()
+    host_list: Optional[str] = None
+    hostfile: Optional[str] = None
+    cluster: Optional[str] = None
+    ssh_config: Optional[str] = None
+    timeout: float = 5.0
+    yes: bool = False
+
+
+def fetch_key(target, timeout: float):
+    """The host key ``target`` presents (negotiation only; no authentication is attempted)."""
+    import paramiko
+
+    from checks.ssh import tcp_connect
+
+    sock = tcp_connect(target, timeout)
+    transport = paramiko.Transport(sock)
+    try:
+        transport.banner_timeout = timeout
+        transport.start_client(timeout=timeout)
+        return transport.get_remote_server_key()
+    except (paramiko.SSHException, EOFError, OSError) as exc:
+        raise SshProtocolError(target.name, f"SSH negotiation with {target.where} failed: {exc or type(exc).__name__}",
+                               f"check sshd on {target.name}") from None
+    finally:
+        transport.close()
+
+
+def known_hosts_line(name: str, key) -> str:
+    """One known_hosts line: ``name keytype base64`` (name already bracketed with a port)."""
+    return f"{name} {key.get_name()} {key.get_base64()}\n"
+
+
+def append_known_host(path: str, line: str) -> None:
+    """Append one line, creating the file (0600) and its directory (0700) as ssh would."""
+    directory = os.path.dirname(path)
+    if directory:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "a") as f:
+        f.write(line)
+
+
+def _names(spec: KeyscanSpec):
+    from launcher.hostfile import parse_host_list
+    from launcher.hosts import resolve_hosts
+
+    if spec.hosts:
+        if spec.host_list or spec.hostfile or spec.cluster:
+            raise UsageError("give hosts either as arguments or with -H/--hostfile/--cluster, not both")
+        return None, parse_host_list(",".join(spec.hosts), "keyscan")
+    if not (spec.host_list or spec.hostfile or spec.cluster):
+        raise UsageError("no hosts given: dtrun keyscan HOST... (or -H, --hostfile, --cluster)")
+    selection = resolve_hosts(spec.host_list, spec.hostfile, spec.cluster)
+    return selection, list(selection.hosts)
+
+
+def ask(question: str, stdin: TextIO, out: TextIO) -> bool:
+    out.write(question)
+    out.flush()
+    answer = stdin.readline()
+    if not answer:
+        out.write("\n")
+    return answer.strip().lower() in ("y", "yes")
+
+
+def keyscan(spec: KeyscanSpec, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
+    """Fetch, show and (after confirmation) record each host's key; 0 when every host ends up known."""
+    from checks import ssh
+    from checks.doctor import ssh_config_path
+    from launcher.hosts import HostSelection, is_local
+
+    selection, hosts = _names(spec)
+    cfg_path = ssh_config_path(spec.ssh_config, selection or HostSelection((), "keyscan"))
+    config = ssh.load_ssh_config(cfg_path)
+    targets = [ssh.ssh_target(h, config, cfg_path) for h in hosts if not is_local(h.host)]
+
+    def one(t):
+        try:
+            return fetch_key(t, spec.timeout)
+        except CheckError as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=max(1, min(32, len(targets)))) as pool:
+        keys = list(pool.map(one, targets))
+    code = ExitCode.OK
+    for t, key in zip(targets, keys):
+        if isinstance(key, CheckError):
+            print(f"{t.name}: {key.detail}; fix: {key.fix}", file=out)
+            code = ExitCode.FAILED
+            continue
+        known_file, known = ssh.known_host_keys(t)
+        where = f"{t.name} ({t.known_hosts_name})"
+        try:
+            ssh.verify_host_key(t, key, known_file, known)
+            print(f"{where}: {ssh.describe_key(key)} already in {known_file}", file=out)
+            continue
+        except HostKeyChanged as exc:
+            print(f"{t.name}: {exc.detail}; keyscan does not replace recorded keys. {exc.fix}", file=out)
+            code = ExitCode.FAILED
+            continue
+        except HostKeyUnknown:
+            pass
+        dest = t.known_hosts[0]
+        print(f"{where}: {ssh.describe_key(key)} — not yet known", file=out)
+        if not (spec.yes or ask(f"add this key for {t.known_hosts_name} to {dest}? [y/N] ", stdin, out)):
+            print(f"{t.name}: not added", file=out)
+            code = ExitCode.FAILED
+            continue
+        append_known_host(dest, known_hosts_line(t.known_hosts_name, key))
+        print(f"{t.name}: added to {dest}", file=out)
+    return code
