@@ -42,6 +42,7 @@ class LaunchOptions:
     ssh_config: Optional[str] = None
     dry_run: bool = False
     rank_wrapper: bool = True
+    preflight: bool = True  # check ssh and choose interfaces before a multi-host launch (checks/preflight.py)
 
 
 def warn(msg: str) -> None:
@@ -167,6 +168,10 @@ def prepare(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None):
     for w in selection.warnings:
         warn(w)
     flavor = detect_flavor(find_mpirun(opts.mpirun, environ))
+    if opts.preflight and not opts.dry_run and not all_local(selection.hosts):
+        from checks.preflight import preflight
+
+        opts = preflight(opts, selection, flavor, environ)  # raises PreflightError on a known hang
     spec = make_spec(opts, flavor, selection, environ)
     if len(selection.hosts) >= cmd.TREE_SPAWN_HOSTS and not spec.no_tree_spawn and flavor.is_openmpi:
         warn(f"{len(selection.hosts)} hosts: Open MPI spawns daemons through a tree, so inner hosts must ssh to "

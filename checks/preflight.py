@@ -1,0 +1,171 @@
+"""The fast check dtrun runs before launching on several hosts.
+
+SSH to every remote host (reachable, host key known and unchanged, key login with
+no prompt) and the interfaces of every host (``ip -j addr`` over that connection),
+from which the subnet every host shares is chosen, as ``dtrun doctor`` would. A
+host that cannot be reached this way would make mpirun hang or stop at a prompt,
+so dtrun refuses to launch and prints why (``--no-preflight`` skips all this). A
+passing result is cached for a few minutes per host set, so repeated launches pay
+for it once.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Mapping, Optional
+
+from checks.errors import CheckError, PreflightError
+from checks.result import FAIL, Finding, from_error
+
+CACHE_TTL_S = 300.0
+TIMEOUT_S = 5.0
+# Fixed text: nothing from the user reaches the remote shell. /usr/sbin for hosts whose PATH lacks it.
+IP_ADDR_COMMAND = "PATH=\"$PATH:/usr/sbin:/sbin\" ip -j addr"
+
+
+@dataclass(frozen=True)
+class PreflightResult:
+    findings: tuple[Finding, ...] = ()
+    include: Optional[str] = None  # CIDR for MPI and its runtime
+    nccl: Optional[str] = None  # NCCL_SOCKET_IFNAME value
+
+    @property
+    def failed(self) -> list[Finding]:
+        return [f for f in self.findings if f.status == FAIL]
+
+
+def _cache_dir() -> Path:
+    from launcher.launch import _cache_dir as dtrun_cache
+
+    return dtrun_cache() / "preflight"
+
+
+def cache_key(hosts, ssh_config: Optional[str]) -> str:
+    """Key of a host set: names and per-host ssh settings, and the ssh config file's identity."""
+    try:
+        st = os.stat(ssh_config) if ssh_config else None
+    except OSError:
+        st = None
+    data = [[h.host, h.user, h.port, h.identity_file] for h in hosts]
+    data.append([ssh_config, st.st_mtime_ns if st else None, st.st_size if st else None])
+    return hashlib.sha256(json.dumps(data).encode()).hexdigest()[:24]
+
+
+def read_cache(key: str, now: Optional[float] = None) -> Optional[PreflightResult]:
+    try:
+        data = json.loads((_cache_dir() / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if (now or time.time()) - data.get("time", 0) > CACHE_TTL_S:
+        return None
+    return PreflightResult((), data.get("include"), data.get("nccl"))
+
+
+def write_cache(key: str, result: PreflightResult) -> None:
+    path = _cache_dir() / f"{key}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"time": time.time(), "include": result.include, "nccl": result.nccl}))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache costs the next launch another preflight
+
+
+def local_interfaces():
+    """This host's interfaces, as the probe would report them."""
+    from checks import network
+    from checks.remote_probe import sysfs_interfaces
+
+    try:
+        out = subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True, timeout=5,
+                             stdin=subprocess.DEVNULL)
+        if out.returncode == 0:
+            return network.parse_ip_json(out.stdout)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return network.parse_sysfs(sysfs_interfaces())
+
+
+def check(hosts, ssh_config: Optional[str], timeout: float = TIMEOUT_S) -> PreflightResult:
+    """SSH to every remote host and pick the shared subnet; never raises for a host's problem."""
+    from checks import network, ssh
+    from launcher.hosts import is_local
+
+    config = ssh.load_ssh_config(ssh_config)
+    remote = [h for h in hosts if not is_local(h.host)]
+    targets = [ssh.ssh_target(h, config, ssh_config) for h in remote]
+    conns = ssh.connect_all(targets, timeout)
+    findings, ifaces, reached = [], {}, {}
+    for name, conn in conns.items():
+        if isinstance(conn, CheckError):
+            findings.append(from_error("ssh", conn))
+            continue
+        try:
+            rc, out, _ = conn.run(IP_ADDR_COMMAND, timeout)
+            if rc == 0:
+                ifaces[name] = network.parse_ip_json(out)
+                reached[name] = conn.transport.getpeername()[0]
+        except (CheckError, ValueError):
+            pass  # no interface list: the launch falls back to dtrun's local inference
+        finally:
+            conn.close()
+    if findings or len(ifaces) < len(remote):
+        return PreflightResult(tuple(findings))
+    mine = local_interfaces()
+    launcher = mine
+    for h in hosts:
+        if is_local(h.host):
+            ifaces[h.host], launcher = mine, None
+    rec = network.recommend(ifaces, launcher, reached)
+    if rec is None or not rec.launcher_on_it:
+        return PreflightResult(tuple(findings))
+    return PreflightResult(tuple(findings), rec.cidr, rec.nccl_socket_ifname)
+
+
+def apply(opts, result: PreflightResult, environ: Mapping[str, str]):
+    """``opts`` with the recommended interfaces, unless the user chose interfaces already."""
+    if result.include and not opts.include_iface and not opts.exclude_iface:
+        opts = replace(opts, include_iface=result.include)
+    user_nccl = "NCCL_SOCKET_IFNAME" in environ or any(e.split("=", 1)[0] == "NCCL_SOCKET_IFNAME" for e in opts.env)
+    if result.nccl and not user_nccl and not opts.exclude_iface and opts.include_iface == result.include:
+        opts = replace(opts, env=tuple(opts.env) + (f"NCCL_SOCKET_IFNAME={result.nccl}",))
+    return opts
+
+
+def preflight(opts, selection, flavor, environ: Optional[Mapping[str, str]] = None):
+    """Check the hosts of a launch (cached) and return ``opts`` with the interface choice applied.
+
+    Raises:
+        PreflightError: a host cannot be reached over ssh without a prompt (the finding is printed).
+    """
+    from launcher.errors import UsageError
+
+    environ = os.environ if environ is None else environ
+    cfg = opts.ssh_config or environ.get("DTRUN_SSH_CONFIG") or selection.ssh_config
+    if cfg and not os.path.isfile(cfg):
+        raise UsageError(f"ssh config {cfg}: no such file")
+    if not cfg:
+        from checks.ssh import default_ssh_config
+
+        cfg = default_ssh_config()
+    key = cache_key(selection.hosts, cfg)
+    result = read_cache(key)
+    if result is None:
+        result = check(selection.hosts, cfg)
+        if result.failed:
+            for f in result.failed:
+                print(f"dtrun: preflight: {f.message}", file=sys.stderr)
+            n = len({f.host for f in result.failed})
+            raise PreflightError(
+                f"preflight: {n} host{'s' if n != 1 else ''} cannot be reached over ssh without a prompt, so mpirun "
+                f"would hang or fail; `dtrun doctor` with the same host options runs the full checklist, "
+                f"--no-preflight launches anyway")
+        write_cache(key, result)
+    return apply(opts, result, environ)
