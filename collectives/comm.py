@@ -32,7 +32,7 @@ from . import dtypes as _dt
 from .errors import (CollectiveError, MismatchError, MPIError, NotContiguousError,
                      ShapeError, UnsupportedDtypeError)
 from .handle import Handle
-from .shm import ShmReducer
+from .shm import SINGLE_STEP_MAX, ShmReducer
 
 if _OSC_SET and MPI.Is_initialized() and os.environ.get("OMPI_MCA_osc") == "^ucx":
     os.environ.pop("OMPI_MCA_osc")  # read at MPI_Init; see collectives/__init__.py
@@ -131,6 +131,7 @@ class Comm:
             self._shm = ShmReducer(node_comm, self._cross_comm, chunk)
         self._opcache: dict[tuple[np.dtype, str], tuple] = {}
         self._fusion_bufs: dict[np.dtype, np.ndarray] = {}
+        self._group_plans: dict[tuple, tuple] = {}
         self._gpu = None  # collectives.gpu.GpuContext, created on first GPU array
 
     # ------------------------------------------------------------------ helpers
@@ -271,7 +272,11 @@ class Comm:
         return "shm+hierarchical" if self._cross_comm is not None else "shm"
 
     def free(self) -> None:
-        """Release the shared-memory window (collective over the node)."""
+        """Release the shared-memory window (collective over the node) and the cached
+        grouped_allreduce plans (which hold references to the arrays they cover)."""
+        for plan in self._group_plans.values():
+            self._free_plan(plan)
+        self._group_plans.clear()
         if self._shm is not None:
             self._shm.free()
             self._shm = None
@@ -744,53 +749,116 @@ class Comm:
         one allreduce and copied back. An array larger than the threshold is reduced on
         its own. Returns ``arrays`` (same objects, updated). All ranks must pass the
         same list of shapes and dtypes.
+
+        The split into buffers (and the MPI datatypes that pack/unpack them in C) is
+        cached for the last 8 distinct lists of arrays, keyed by identity, as a training
+        loop passes the same gradient arrays every step; the cache keeps those arrays
+        alive until ``free()``.
         """
         threshold = self.fusion_threshold if fusion_threshold is None else int(fusion_threshold)
         if not arrays:
             return list(arrays)
-        if any(type(a) is not np.ndarray for a in arrays):
-            return self._foreign("grouped_allreduce", list(arrays), op=op,
-                                 fusion_threshold=threshold)
+        key = (tuple(map(id, arrays)), threshold)
+        plan = self._group_plans.get(key)
+        if plan is None:
+            if any(type(a) is not np.ndarray for a in arrays):
+                return self._foreign("grouped_allreduce", list(arrays), op=op,
+                                     fusion_threshold=threshold)
+            plan = self._group_plan(arrays, threshold, key)
         if self.check:
             sig = np.array([len(arrays), sum(a.size for a in arrays)], dtype=np.int64)
             self._signature("grouped_allreduce", sig)
+        for step in plan[0]:
+            if len(step) == 1:  # an array reduced on its own
+                self._allreduce(step[0], op, None, True, np)
+                continue
+            datatype, memory, dtype, count = step
+            nbytes = count * dtype.itemsize
+            shm = self._shm
+            if shm is not None and self._shm_threshold <= nbytes <= SINGLE_STEP_MAX:
+                # Pack straight into this rank's shared slot, unpack straight out of the
+                # shared result: no intermediate fusion buffer at all.
+                rep = self._fusion_rep(dtype)
+                t, mop, kern, finish, _ = self._redop(rep, op, "grouped_allreduce")
+                shm.allreduce_packed(
+                    count, dtype, lambda v: datatype.Pack(memory, v, 0, MPI.COMM_SELF),
+                    lambda v: datatype.Unpack(v, 0, memory, MPI.COMM_SELF), kern, t, mop,
+                    finish)
+                continue
+            buf = self._fusion_bufs.get(dtype)
+            if buf is None or buf.size < count:
+                buf = self._fusion_bufs[dtype] = np.empty(max(count, 1024), dtype=dtype)
+            flat = buf[:count]
+            # Pack/unpack in C through an MPI datatype describing all the arrays: a
+            # Python loop over 256 small arrays costs more than the allreduce itself.
+            datatype.Pack(memory, flat, 0, MPI.COMM_SELF)
+            self._allreduce(flat, op, None, True, np)
+            datatype.Unpack(flat, 0, memory, MPI.COMM_SELF)
+        return list(arrays)
+
+    def _fusion_rep(self, dtype: np.dtype) -> np.ndarray:
+        """A small array of ``dtype`` (for op/dtype lookups keyed by an array)."""
+        buf = self._fusion_bufs.get(dtype)
+        if buf is None:
+            buf = self._fusion_bufs[dtype] = np.empty(1024, dtype=dtype)
+        return buf
+
+    def _group_plan(self, arrays: Sequence[np.ndarray], threshold: int, key: tuple) -> tuple:
+        """Validate ``arrays`` once and split them into fusion buffers.
+
+        Returns (steps, arrays); a step is ``(array,)`` for an array reduced alone, or
+        ``(datatype, memory, dtype, count)``: an hindexed MPI datatype covering a batch
+        and a buffer spanning it. Cached by the identity of the arrays; the cache holds
+        references to them, so an id cannot be reused by another object and the
+        addresses stay valid (NumPy arrays never move their data).
+        """
         groups: dict[np.dtype, list[np.ndarray]] = {}
         for a in arrays:
             self._type(a, "grouped_allreduce")
             groups.setdefault(a.dtype, []).append(a)
+        steps: list[tuple] = []
         for dtype in sorted(groups, key=lambda d: d.str):  # same order on every rank
             batch: list[np.ndarray] = []
             nbytes = 0
             for a in groups[dtype]:
                 if a.nbytes >= threshold:
-                    self._allreduce(a, op, None, True, np)
+                    steps.append((a,))
                     continue
                 if nbytes + a.nbytes > threshold:
-                    self._reduce_fused(batch, nbytes, op)
+                    steps.append(self._fused_step(batch, dtype))
                     batch, nbytes = [], 0
                 batch.append(a)
                 nbytes += a.nbytes
             if batch:
-                self._reduce_fused(batch, nbytes, op)
-        return list(arrays)
+                steps.append(self._fused_step(batch, dtype))
+        plan = (steps, list(arrays))
+        if len(self._group_plans) >= 8:
+            self._free_plan(self._group_plans.pop(next(iter(self._group_plans))))
+        self._group_plans[key] = plan
+        return plan
 
-    def _reduce_fused(self, batch: list[np.ndarray], nbytes: int, op: str) -> None:
-        dtype = batch[0].dtype
-        if len(batch) == 1:
-            self._allreduce(batch[0], op, None, True, np)
-            return
-        count = nbytes // dtype.itemsize
-        buf = self._fusion_bufs.get(dtype)
-        if buf is None or buf.size < count:
-            buf = self._fusion_bufs[dtype] = np.empty(max(count, 1024), dtype=dtype)
-        flat = buf[:count]
-        np.concatenate([a.reshape(-1) for a in batch], out=flat)
-        self._allreduce(flat, op, None, True, np)
-        pos = 0
-        for a in batch:
-            k = a.size
-            a.reshape(-1)[...] = flat[pos:pos + k]
-            pos += k
+    @staticmethod
+    def _fused_step(batch: list[np.ndarray], dtype: np.dtype) -> tuple:
+        live = [a for a in batch if a.size]
+        if len(live) <= 1:
+            return (live[0],) if live else (batch[0],)
+        addrs = [MPI.Get_address(a) for a in live]
+        base = min(addrs)
+        end = max(ad + a.nbytes for ad, a in zip(addrs, live))
+        datatype = _dt.mpi_type(dtype).Create_hindexed(
+            [a.size for a in live], [ad - base for ad in addrs]).Commit()
+        if datatype.Get_extent()[1] != end - base:  # not expected; keep MPI honest
+            datatype.Free()
+            raise CollectiveError("grouped_allreduce", None, "internal: fused datatype "
+                                  "extent differs from the arrays' span")
+        count = sum(a.size for a in live)
+        return (datatype, MPI.buffer.fromaddress(base, end - base), dtype, count)
+
+    @staticmethod
+    def _free_plan(plan: tuple) -> None:
+        for step in plan[0]:
+            if len(step) == 4:
+                step[0].Free()
 
 
 _WORLD: Comm | None = None

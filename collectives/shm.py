@@ -30,6 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 _ALIGN = 64  # bytes: slice boundaries on cache lines, so ranks never share a line
+SINGLE_STEP_MAX = 4 << 20  # largest fused buffer reduced in one step (allreduce_packed)
 
 
 class ShmReducer:
@@ -52,12 +53,13 @@ class ShmReducer:
         self.parity = 0
         self._plans: dict[tuple, tuple] = {}
 
-    def _ensure(self, nbytes: int) -> None:
-        want = min(self.chunk_bytes, max(nbytes, 1 << 16))
+    def _ensure(self, nbytes: int, limit: int = 0) -> None:
+        limit = max(limit, self.chunk_bytes)
+        want = min(limit, max(nbytes, 1 << 16))
         if want <= self.cap:
             return
-        cap = 1 << (want - 1).bit_length()  # grow in powers of two, up to the chunk size
-        cap = min(cap, self.chunk_bytes)
+        cap = 1 << (want - 1).bit_length()  # grow in powers of two, up to the limit
+        cap = min(cap, limit)
         self.free()
         # Each rank allocates its own two slots, so first touch places them near it.
         win = MPI.Win.Allocate_shared(2 * cap, 1, comm=self.node)
@@ -91,7 +93,7 @@ class ShmReducer:
             return
         itemsize = src.itemsize
         self._ensure(total * itemsize)
-        per_chunk = self.cap // itemsize
+        per_chunk = min(self.cap, self.chunk_bytes) // itemsize
         s_flat = src.reshape(-1)
         d_flat = dst.reshape(-1)
         dtype = src.dtype
@@ -101,12 +103,22 @@ class ShmReducer:
             parity = self.parity
             self.parity ^= 1
             views, lo, hi = self._plan(dtype, m, parity)
-            np.copyto(views[r], s_flat[start:start + m])
+            chunk = s_flat[start:start + m]
+            # Only this rank reads slice r of the slots, so its own slice need not be
+            # copied in: the reduction takes it from ``src`` directly (n=2: half the
+            # copy-in traffic).
+            mine = views[r]
+            np.copyto(mine[:lo], chunk[:lo])
+            np.copyto(mine[hi:], chunk[hi:])
             sync()
             if hi > lo:
+                own = chunk[lo:hi]
                 acc = views[0][lo:hi]
-                for other in views[1:]:
-                    kernel(acc, other[lo:hi], acc)
+                # x0 + x1 + ... in local-rank order, x_r read from src.
+                first = own if r == 0 else acc
+                kernel(first, own if r == 1 else views[1][lo:hi], acc)
+                for k in range(2, len(views)):
+                    kernel(acc, own if k == r else views[k][lo:hi], acc)
                 if cross is not None:
                     cross.Allreduce(MPI.IN_PLACE, [acc, cross_type], cross_op)
                 if finish is not None:
@@ -116,6 +128,36 @@ class ShmReducer:
                 cross.Allreduce(MPI.IN_PLACE, [views[0][:0], cross_type], cross_op)
             sync()
             np.copyto(d_flat[start:start + m], views[0])
+
+    def allreduce_packed(self, count: int, dtype: np.dtype, fill, drain, kernel,
+                         cross_type=None, cross_op=None, finish=None) -> None:
+        """One-step allreduce of ``count`` elements (at most ``SINGLE_STEP_MAX`` bytes)
+        whose input the caller writes straight into this rank's slot (``fill(view)``)
+        and whose result it reads straight out of shared memory (``drain(view)``).
+
+        grouped_allreduce uses it to pack its arrays into shared memory and unpack them
+        from it, saving two copies of the fused buffer.
+        """
+        if count == 0:
+            return
+        self._ensure(count * dtype.itemsize, SINGLE_STEP_MAX)
+        parity = self.parity
+        self.parity ^= 1
+        views, lo, hi = self._plan(dtype, count, parity)
+        fill(views[self.r])
+        self._sync()
+        if hi > lo:
+            acc = views[0][lo:hi]
+            for other in views[1:]:
+                kernel(acc, other[lo:hi], acc)
+            if self.cross is not None:
+                self.cross.Allreduce(MPI.IN_PLACE, [acc, cross_type], cross_op)
+            if finish is not None:
+                finish(acc)
+        elif self.cross is not None:
+            self.cross.Allreduce(MPI.IN_PLACE, [views[0][:0], cross_type], cross_op)
+        self._sync()
+        drain(views[0])
 
     def _plan(self, dtype: np.dtype, m: int, parity: int) -> tuple[list[np.ndarray], int, int]:
         """Typed views of the slots for a chunk of ``m`` elements, and this rank's slice

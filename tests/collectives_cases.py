@@ -163,6 +163,10 @@ def case_hierarchical(comm):
         rng = np.random.default_rng(comm.rank)
         got = sub.allreduce(rng.standard_normal(9000))
         assert _same_everywhere(comm, got)
+        grads = [_pat(n, comm.rank) for n in (300, 5, 2000)]
+        sub.grouped_allreduce(grads)
+        for g in grads:
+            np.testing.assert_array_equal(g, _total(comm, g.size))
     finally:
         sub.free()
 
@@ -360,16 +364,29 @@ def case_grouped(comm):
                (0, np.float32), (50, np.int64), (20000, np.float32)]]
     arrays[3] = arrays[3].reshape(30, 100)
     ids = [id(a) for a in arrays]
-    for threshold in (4096, 1 << 26):  # many buffers (and an oversized array), then one
-        work = [a.copy() for a in arrays]
-        out = comm.grouped_allreduce(work, fusion_threshold=threshold)
-        assert [id(a) for a in out] == [id(a) for a in work]
-        for a, orig in zip(work, arrays):
-            np.testing.assert_array_equal(a.reshape(-1), _total(comm, orig.size, orig.dtype))
-    avg = [np.full(10, 1.0 * comm.rank), np.full(3, 2.0 * comm.rank, np.float32)]
-    comm.grouped_allreduce(avg, op="avg")
-    np.testing.assert_array_equal(avg[0], np.full(10, (comm.size - 1) / 2))
-    np.testing.assert_array_equal(avg[1], np.full(3, comm.size - 1.0))
+    # The second communicator sends fused buffers through the shared-memory path
+    # (packed straight into shared memory) on hosts with several ranks.
+    shm_comm = collectives.Comm(comm.mpi, shm_threshold=1024)
+    try:
+        for c in (comm, shm_comm):
+            for threshold in (4096, 1 << 26):  # many buffers (one oversized array), then one
+                work = [a.copy() for a in arrays]
+                for _ in range(2):  # the second call takes the cached plan
+                    for w, orig in zip(work, arrays):
+                        w[...] = orig
+                    out = c.grouped_allreduce(work, fusion_threshold=threshold)
+                    assert [id(a) for a in out] == [id(a) for a in work]
+                    for a, orig in zip(work, arrays):
+                        np.testing.assert_array_equal(a.reshape(-1),
+                                                      _total(comm, orig.size, orig.dtype))
+            avg = [np.full(1000, 1.0 * comm.rank), np.full(3, 2.0 * comm.rank, np.float32),
+                   np.full(700, 3.0 * comm.rank)]
+            c.grouped_allreduce(avg, op="avg")
+            np.testing.assert_array_equal(avg[0], np.full(1000, (comm.size - 1) / 2))
+            np.testing.assert_array_equal(avg[1], np.full(3, comm.size - 1.0))
+            np.testing.assert_array_equal(avg[2], np.full(700, 1.5 * (comm.size - 1)))
+    finally:
+        shm_comm.free()
     assert [id(a) for a in arrays] == ids
 
 
