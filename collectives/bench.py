@@ -401,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
             print(f"# Avg bus bandwidth    : {avg_busbw(all_rows):.4g}")
         sys.stdout.flush()
+    comm.barrier()  # a non-zero exit makes mpirun kill the others: let rank 0 print first
     return 0 if wrong == 0 else 1
 
 

@@ -37,16 +37,28 @@ class Handle:
         self._keep = None
 
     def wait(self) -> Any:
-        """Block until the operation completes; return its result."""
+        """Block until the operation completes; return its result.
+
+        Raises:
+            MPIError: MPI reported an error for this operation (e.g. truncation).
+        """
         if not self._done:
-            self._request.Wait()
+            try:
+                self._request.Wait()
+            except Exception as e:
+                raise _translate(self.op, e) from None
             self._finish()
         return self._result
 
     def test(self) -> bool:
         """True if the operation has completed (and its result is ready)."""
-        if not self._done and self._request.Test():
-            self._finish()
+        if not self._done:
+            try:
+                done = self._request.Test()
+            except Exception as e:
+                raise _translate(self.op, e) from None
+            if done:
+                self._finish()
         return self._done
 
     # MPI.Request spelling, so a Handle can wrap another Handle (adapters do).
@@ -62,6 +74,15 @@ class Handle:
 
     def __repr__(self) -> str:
         return f"<Handle {self.op or 'op'} {'done' if self._done else 'pending'}>"
+
+
+def _translate(op: str, exc: Exception) -> Exception:
+    """MPI errors become MPIError naming the operation; ours pass through unchanged."""
+    from .errors import CollectiveError, MPIError
+    if isinstance(exc, CollectiveError):
+        return exc
+    text = exc.Get_error_string() if hasattr(exc, "Get_error_string") else str(exc)
+    return MPIError(op or "wait", None, f"MPI error: {text}")
 
 
 def wait_all(handles: list[Handle]) -> list[Any]:

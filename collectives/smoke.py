@@ -379,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'PASS' if ok else 'FAIL'}: {len(args.ops)} operations x "
                   f"{len(args.dtypes)} dtypes x sizes {args.sizes}, {checks} checks on "
                   f"{comm.size} ranks", flush=True)
+    # A non-zero exit makes mpirun kill the other ranks: wait until rank 0 has printed.
+    comm.barrier()
     return int(SmokeExit.OK if ok else SmokeExit.WRONG)
 
 

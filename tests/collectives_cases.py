@@ -445,6 +445,23 @@ def case_errors_local(comm):
         _raises(ShapeError, lambda: comm.alltoall(np.zeros(comm.size * 2 + 1)), "alltoall")
 
 
+def case_errors_truncation(comm):
+    """A receive buffer smaller than the message: MPI's error, translated and explained."""
+    from collectives import MPIError
+    if comm.size == 1:
+        h = comm.isend(np.ones(10), 0, tag=9)
+        _raises(MPIError, lambda: comm.recv(np.empty(5), source=0, tag=9), "recv",
+                "smaller than the message")
+        h.wait()
+        return
+    last = comm.size - 1
+    if comm.rank == 0:
+        comm.send(np.ones(10), last, tag=9)
+    elif comm.rank == last:
+        _raises(MPIError, lambda: comm.recv(np.empty(5), source=0, tag=9), "recv",
+                f"rank {last}", "smaller than the message")
+
+
 def case_errors_mismatch(comm):
     """Mismatches across ranks: caught always in allgatherv, with DTRUN_CHECK otherwise."""
     if comm.size == 1:
