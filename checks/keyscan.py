@@ -30,9 +30,9 @@ class KeyscanSpec:
 
 def fetch_key(target, timeout: float):
     """The host key ``target`` presents (negotiation only; no authentication is attempted)."""
-    import paramiko
+    from checks.ssh import import_paramiko, tcp_connect
 
-    from checks.ssh import tcp_connect
+    paramiko = import_paramiko()
 
     sock = tcp_connect(target, timeout)
     transport = paramiko.Transport(sock)

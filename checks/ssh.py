@@ -8,13 +8,14 @@ under its own timeout, and raises one ``checks.errors`` exception naming the
 cause and the fix. Unknown host keys are rejected and changed ones reported
 loudly; nothing here ever accepts a host key or turns checking off.
 
-paramiko is imported inside the functions that need it (it costs ~0.25 s).
+paramiko is imported inside the functions that need it, through ``import_paramiko``.
 """
 from __future__ import annotations
 
 import errno
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -66,6 +67,23 @@ class SshTarget:
         return f"{self.name} ({self.hostname}:{self.port})"
 
 
+def import_paramiko():
+    """paramiko, without the 80 ms import of invoke that paramiko.config makes only for ``Match exec``.
+
+    dtrun does not evaluate ``Match exec`` (``ssh_target`` says so if a config uses it), so
+    ``import invoke`` is made to fail while paramiko loads, which paramiko.config tolerates.
+    """
+    if "paramiko" not in sys.modules and "invoke" not in sys.modules:
+        sys.modules["invoke"] = None  # type: ignore[assignment]  # import invoke -> ImportError
+        try:
+            import paramiko
+        finally:
+            del sys.modules["invoke"]  # anyone else importing invoke later gets the real one
+    import paramiko
+
+    return paramiko
+
+
 def default_ssh_config() -> Optional[str]:
     path = os.path.expanduser("~/.ssh/config")
     return path if os.path.isfile(path) else None
@@ -73,7 +91,7 @@ def default_ssh_config() -> Optional[str]:
 
 def load_ssh_config(path: Optional[str]):
     """A ``paramiko.SSHConfig`` for ``path`` (an empty one for None)."""
-    import paramiko
+    paramiko = import_paramiko()
 
     if not path:
         return paramiko.SSHConfig()
@@ -92,7 +110,12 @@ def ssh_target(host, config=None, config_path: Optional[str] = None) -> SshTarge
     the ssh config, as they do in the config dtrun writes for mpirun.
     """
     name = getattr(host, "host", host)
-    opts = config.lookup(name) if config is not None else {}
+    try:
+        opts = config.lookup(name) if config is not None else {}
+    except ImportError:  # paramiko needs invoke for 'Match exec'
+        from launcher.errors import UsageError
+
+        raise UsageError(f"ssh config {config_path}: 'Match exec' is not supported by dtrun's ssh checks") from None
     user = getattr(host, "user", None) or opts.get("user") or _local_user()
     port = int(getattr(host, "port", None) or opts.get("port") or 22)
     ids = tuple(opts.get("identityfile", ()))
@@ -135,7 +158,7 @@ def describe_key(key) -> str:
 
 def known_host_keys(target: SshTarget):
     """(file, {keytype: key}) of the first known_hosts file that lists the host, else (None, {})."""
-    import paramiko
+    paramiko = import_paramiko()
 
     name = target.known_hosts_name
     for path in target.known_hosts + target.global_known_hosts:
@@ -257,7 +280,7 @@ def tcp_connect(target: SshTarget, timeout: float) -> socket.socket:
 
 def _keys_to_try(target: SshTarget):
     """(label, key) pairs in OpenSSH's order: agent, then identity files; skipped files with reasons."""
-    import paramiko
+    paramiko = import_paramiko()
 
     skipped = []
     keys = []
@@ -283,7 +306,7 @@ def _keys_to_try(target: SshTarget):
 
 def authenticate(transport, target: SshTarget) -> str:
     """Public-key authentication only: returns which key worked; never prompts."""
-    import paramiko
+    paramiko = import_paramiko()
 
     keys, skipped = _keys_to_try(target)
     tried = []
@@ -334,7 +357,7 @@ class SshConnection:
 
     def open_channel(self, command: str, timeout: float):
         """Start ``command`` (one line for the remote shell) and return the paramiko channel."""
-        import paramiko
+        paramiko = import_paramiko()
 
         try:
             chan = self.transport.open_session(timeout=timeout)
@@ -389,7 +412,7 @@ def connect(target: SshTarget, timeout: float = DEFAULT_TIMEOUT_S) -> SshConnect
         NameNotResolved, ConnectRefused, ConnectTimeout, HostUnreachable, SshProtocolError,
         HostKeyUnknown, HostKeyChanged, AuthenticationError: each with the cause and the fix.
     """
-    import paramiko
+    paramiko = import_paramiko()
 
     t0 = time.monotonic()
     sock = tcp_connect(target, timeout)
