@@ -170,20 +170,25 @@ def diagnose(spec: DoctorSpec, selection, live: bool = False) -> DoctorReport:
     t_start = time.monotonic()
     flavor = detect_flavor(find_mpirun())
     cfg_path = ssh_config_path(spec.ssh_config, selection)
-    config = ssh.load_ssh_config(cfg_path) if any(not is_local(h.host) for h in selection.hosts) else None
     runs = [HostRun(h.host, h.slots, is_local(h.host)) for h in selection.hosts]
-    for r, h in zip(runs, selection.hosts):
-        if not r.local:
-            r.target = ssh.ssh_target(h, config, cfg_path)
     launcher_in_list = any(r.local for r in runs)
     helper = None if launcher_in_list else HostRun(network.LAUNCHER, 0, True)
     everyone = runs + ([helper] if helper else [])
     probe_timeout = max(3 * spec.timeout, 10.0)
-    base_request = {"listen": True, "gpu": True}
+    # The probes only need paths; the local facts are completed from the local probe's answer.
+    request = dict(env.local_facts(flavor, None, spec.program).probe_request(), listen=True, gpu=True)
+    for r in everyone:
+        if r.local:  # starts now, so that it runs while paramiko is imported and the hosts connect
+            # Only this host's interfaces and listener are needed when it is not one of the job's hosts.
+            own = dict(request, versions=False) if r is not helper else dict(request, versions=False, gpu=False,
+                                                                             mpi_load=False)
+            r.probe = start_probe(r.name, None, own, spec.timeout)
+    if not all(r.local for r in runs):
+        config = ssh.load_ssh_config(cfg_path)
+        for r, h in zip(runs, selection.hosts):
+            if not r.local:
+                r.target = ssh.ssh_target(h, config, cfg_path)
     progress = Progress(runs, live)
-    # The local facts need the local probe's answer (Python, mpi4py); requests only need paths.
-    pre_facts = env.local_facts(flavor, None, spec.program)
-    request = dict(pre_facts.probe_request(), **base_request)
 
     def phase_a(r: HostRun):
         t0 = time.monotonic()
@@ -195,11 +200,11 @@ def diagnose(spec: DoctorSpec, selection, live: bool = False) -> DoctorReport:
                 r.findings.append(Finding(r.name, "ssh", OK,
                                           f"{r.target.user}@{r.target.where} with {os.path.basename(r.conn.key_label)} "
                                           f"in {r.conn.timings['total']:.2f} s; host key {r.conn.host_key} known"))
+                r.step = "probe: running"
+                r.probe = start_probe(r.name, r.conn, request, spec.timeout)
             else:
                 r.findings.append(Finding(r.name, "ssh", NA, "this host: no SSH needed"))
-            r.step = "probe: running"
             t1 = time.monotonic()
-            r.probe = start_probe(r.name, r.conn, request, spec.timeout)
             r.report = r.probe.read(probe_timeout, "probe")
             r.times["probe"] = time.monotonic() - t1
             r.step = "probe: done"

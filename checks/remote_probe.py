@@ -67,14 +67,21 @@ def run(argv, timeout):
 
 
 def versions(req, resolved):
-    """``--version`` output of each MPI launcher that is not byte-for-byte the launching host's."""
-    local_sig = req.get("mpirun_sig")
+    """``--version`` output of each MPI launcher that is not the launching host's installation.
+
+    The launcher at the launching host's path, when it is the same file, stands for its
+    whole directory (mpirun and mpiexec of one install): no need to run them.
+    """
+    if not req.get("versions", True):
+        return {}
+    mine = req.get("paths", {}).get("mpirun")
+    same_install = bool(mine) and req.get("mpirun_sig") is not None and signature(mine) == req.get("mpirun_sig")
     out = {}
-    for path in {resolved.get("mpirun"), resolved.get("mpiexec"), req.get("paths", {}).get("mpirun")}:
+    for path in {resolved.get("mpirun"), resolved.get("mpiexec"), mine}:
         if not path or path in out or not os.access(path, os.X_OK):
             continue
-        if local_sig and signature(path) == local_sig:
-            out[path] = None  # the same file as on the launching host: same version
+        if same_install and os.path.dirname(path) == os.path.dirname(mine):
+            out[path] = None  # the launching host's installation: same version
             continue
         rc, text = run([path, "--version"], VERSION_TIMEOUT_S)
         out[path] = text[:2000]
@@ -145,7 +152,7 @@ def nccl_libraries(ld_path):
     return sorted(set(found))[:10]
 
 
-def python_info(job_python):
+def python_info(job_python, load_mpi=True):
     """This interpreter, and whether it is the job's Python with a loadable mpi4py."""
     info = {"executable": sys.executable, "version": "%d.%d.%d" % sys.version_info[:3],
             # By path, not by file: a virtual environment's python is a link to the base interpreter.
@@ -155,6 +162,8 @@ def python_info(job_python):
     try:
         import mpi4py
         info["mpi4py"] = mpi4py.__version__
+        if not load_mpi:
+            return info
         # Loading the extension links libmpi (a broken LD_LIBRARY_PATH shows here) without MPI_Init.
         mpi4py.rc.initialize = False
         mpi4py.rc.finalize = False
@@ -243,7 +252,7 @@ def report(req, listener):
         "versions": versions(req, resolved),
         "interfaces": interfaces(),
         "gpu": gpus(env_path, ld_path) if req.get("gpu", True) else None,
-        "python": python_info(paths.get("python")),
+        "python": python_info(paths.get("python"), req.get("mpi_load", True)),
         "port": listener.port if listener else None,
     }
     rep["elapsed"] = round(time.monotonic() - t0, 3)
