@@ -125,6 +125,10 @@ def _torch_cpu(comm, name: str, args: tuple, kwargs: dict) -> Any:
             return [back(v) for v in r]
         return r
 
+    if name == "grouped_allreduce":
+        # Views are new objects each call, and a tensor's storage can move (resize_,
+        # set_): never cache a fused plan keyed by them.
+        new_kwargs["_cache"] = False
     result = getattr(comm, name)(*new_args, **new_kwargs)
     if isinstance(result, Handle):
         inner = result

@@ -740,7 +740,7 @@ class Comm:
 
     # ---------------------------------------------------------------- fusion
     def grouped_allreduce(self, arrays: Sequence[Any], op: str = SUM,
-                          fusion_threshold: int | None = None) -> list[Any]:
+                          fusion_threshold: int | None = None, _cache: bool = True) -> list[Any]:
         """Allreduce many arrays, packed into few buffers; results land in place.
 
         Arrays of the same dtype are copied, in order, into one fusion buffer of at
@@ -751,9 +751,9 @@ class Comm:
         same list of shapes and dtypes.
 
         The split into buffers (and the MPI datatypes that pack/unpack them in C) is
-        cached for the last 8 distinct lists of arrays, keyed by identity, as a training
-        loop passes the same gradient arrays every step; the cache keeps those arrays
-        alive until ``free()``.
+        cached for the last 8 distinct lists of NumPy arrays, keyed by identity, as a
+        training loop passes the same gradient arrays every step; the cache keeps those
+        arrays alive until ``free()``. Tensors are never cached (their storage can move).
         """
         threshold = self.fusion_threshold if fusion_threshold is None else int(fusion_threshold)
         if not arrays:
@@ -764,7 +764,7 @@ class Comm:
             if any(type(a) is not np.ndarray for a in arrays):
                 return self._foreign("grouped_allreduce", list(arrays), op=op,
                                      fusion_threshold=threshold)
-            plan = self._group_plan(arrays, threshold, key)
+            plan = self._group_plan(arrays, threshold, key, cache=_cache)
         if self.check:
             sig = np.array([len(arrays), sum(a.size for a in arrays)], dtype=np.int64)
             self._signature("grouped_allreduce", sig)
@@ -794,6 +794,8 @@ class Comm:
             datatype.Pack(memory, flat, 0, MPI.COMM_SELF)
             self._allreduce(flat, op, None, True, np)
             datatype.Unpack(flat, 0, memory, MPI.COMM_SELF)
+        if not _cache:
+            self._free_plan(plan)
         return list(arrays)
 
     def _fusion_rep(self, dtype: np.dtype) -> np.ndarray:
@@ -803,7 +805,8 @@ class Comm:
             buf = self._fusion_bufs[dtype] = np.empty(1024, dtype=dtype)
         return buf
 
-    def _group_plan(self, arrays: Sequence[np.ndarray], threshold: int, key: tuple) -> tuple:
+    def _group_plan(self, arrays: Sequence[np.ndarray], threshold: int, key: tuple,
+                    cache: bool = True) -> tuple:
         """Validate ``arrays`` once and split them into fusion buffers.
 
         Returns (steps, arrays); a step is ``(array,)`` for an array reduced alone, or
@@ -832,6 +835,8 @@ class Comm:
             if batch:
                 steps.append(self._fused_step(batch, dtype))
         plan = (steps, list(arrays))
+        if not cache:
+            return plan
         if len(self._group_plans) >= 8:
             self._free_plan(self._group_plans.pop(next(iter(self._group_plans))))
         self._group_plans[key] = plan

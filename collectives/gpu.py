@@ -507,6 +507,8 @@ def _staged(comm, ctx: GpuContext, name: str, args: tuple, kwargs: dict) -> Any:
     new_args = tuple([to_host(a) for a in v] if isinstance(v, list) else to_host(v)
                      for v in args)
     new_kwargs = {k: to_host(v) for k, v in kwargs.items()}
+    if name == "grouped_allreduce":
+        new_kwargs["_cache"] = False  # host views are new objects every call
     result = getattr(comm, name)(*new_args, **new_kwargs)
     template = staged[0][0]
 
