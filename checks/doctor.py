@@ -118,11 +118,14 @@ def tree_spawn_pairs(hosts: list[str], radix: int, launcher_in_list: bool = Fals
 
 
 class Progress:
-    """A live line per host on stderr (only on a terminal)."""
+    """A live line per host on stderr while doctor runs (only on a terminal), gone afterwards."""
 
-    def __init__(self, runs: list[HostRun], enabled: bool):
-        self.runs, self.live = runs, None
-        if enabled:
+    def __init__(self, enabled: bool):
+        self.enabled, self.runs, self.live = enabled, [], None
+
+    def show(self, runs: list[HostRun]) -> None:
+        self.runs = runs
+        if self.enabled and runs:
             from rich.console import Console
             from rich.live import Live
 
@@ -136,9 +139,10 @@ class Progress:
         width = max(len(r.name) for r in self.runs)
         return Text("\n".join(f"{r.name.ljust(width)}  {r.step}" for r in self.runs))
 
-    def stop(self):
+    def stop(self) -> None:
         if self.live:
             self.live.stop()
+            self.live = None
 
 
 def run_doctor(spec: DoctorSpec) -> int:
@@ -162,6 +166,14 @@ def run_doctor(spec: DoctorSpec) -> int:
 
 def diagnose(spec: DoctorSpec, selection, live: bool = False) -> DoctorReport:
     """Every check on every host of ``selection``; the report with one or more findings per host and check."""
+    progress = Progress(live)
+    try:
+        return _diagnose(spec, selection, progress)
+    finally:
+        progress.stop()
+
+
+def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport:
     from checks import ssh
     from checks.probe import start_probe
     from launcher.flavors import detect_flavor, find_mpirun
@@ -188,7 +200,7 @@ def diagnose(spec: DoctorSpec, selection, live: bool = False) -> DoctorReport:
         for r, h in zip(runs, selection.hosts):
             if not r.local:
                 r.target = ssh.ssh_target(h, config, cfg_path)
-    progress = Progress(runs, live)
+    progress.show(runs)
 
     def phase_a(r: HostRun):
         t0 = time.monotonic()
@@ -256,7 +268,6 @@ def diagnose(spec: DoctorSpec, selection, live: bool = False) -> DoctorReport:
         if r.conn:
             r.conn.close()
         findings += r.findings
-    progress.stop()
     # --- checks that could not run on a host ---
     for r in runs:
         for check in ("env", "network", "firewall", "gpu"):
@@ -271,6 +282,8 @@ def diagnose(spec: DoctorSpec, selection, live: bool = False) -> DoctorReport:
     elif any(f.status == FAIL for f in findings):
         findings += [Finding(r.name, "e2e", NA, "skipped: fix the failures above first") for r in runs]
     else:
+        for r in runs:
+            r.step = "end to end: running a job through dtrun"
         names = {r.report.get("hostname"): r.name for r in probed if r.report.get("hostname")}
         cfg_for_job = _job_ssh_config(selection, cfg_path)
         flags = rec.flags(flavor)["dtrun"] if rec else ""

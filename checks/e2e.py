@@ -190,28 +190,32 @@ def end_to_end(hosts: Sequence[str], ssh_config: Optional[str], include: Optiona
         return findings + [Finding(h, CHECK, OK, "reached every stage before the failure") for h in hosts
                            if missing and h not in missing], summary
     done = f" (done: {', '.join(f'{s} {t:.2f} s' for s, t in times.items())})" if times else ""
+    pairs: list = []
     if stage == "started" or len(hosts) < 3:
-        # Some ranks never started: the daemon on those hosts never came up (or the hosts are two).
-        culprits, pairs = missing, []
+        culprits = missing  # no pair to try, or ranks that never started name their hosts
     else:
-        launch = lambda pair: run_job(job_argv(pair, ssh_config, include, smoke=(stage == "smoke")), pair, names,
-                                      pair_timeout)
-        pairs = narrow(list(hosts), launch)
+        pairs = narrow(list(hosts), lambda pair: run_job(job_argv(pair, ssh_config, include, smoke=(stage == "smoke")),
+                                                         pair, names, pair_timeout))
         summary["pairs"] = [{"hosts": [a, b], "hung_at": s} for a, b, s in pairs]
         culprits = blame(pairs)
+    hung_pairs = ", ".join(f"{a}+{b}" for a, b, s in pairs if s)
+    if stage == "started":
+        where = "its rank never started: the daemon there did not come up or cannot reach this host"
+    elif pairs and culprits:
+        where = f"every pair of hosts that hangs includes it ({hung_pairs})"
+    elif pairs:
+        where = (f"pairs that hang: {hung_pairs}; no single host is in all of them" if hung_pairs
+                 else f"every pair of hosts works; only all {len(hosts)} together hang")
+    else:
+        where = "its rank did not get past it"
     findings = []
-    hung_pairs = [f"{a}+{b}" for a, b, s in pairs if s]
     for h in hosts:
-        if h in culprits or (not culprits and stage != "started"):
-            where = (f"every hanging pair includes {h} ({', '.join(hung_pairs)})" if culprits and pairs
-                     else f"no rank on {h} reached it" if h in missing
-                     else (f"hanging pairs: {', '.join(hung_pairs)}" if hung_pairs
-                           else "every pair of hosts works; only the full job hangs"))
+        if h in culprits or not culprits:
             findings.append(Finding(h, CHECK, FAIL,
                                     f"the job {how} hung at '{STAGE_TEXT[stage]}' for {timeout:g} s{done}: {where}",
                                     _hang_fix(stage)))
         else:
-            findings.append(Finding(h, CHECK, OK, f"not implicated in the hang at '{stage}'"))
+            findings.append(Finding(h, CHECK, OK, f"not implicated in the hang at '{STAGE_TEXT[stage]}'"))
     return findings, summary
 
 

@@ -7,6 +7,7 @@ host's ``LocalFacts`` and names both values of every mismatch. Pure.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -180,8 +181,8 @@ def env_findings(host: str, rep: Mapping, local: LocalFacts, is_this_host: bool 
             f"create it on {host}, or launch from a directory on the shared file system")
     if local.program and not (paths.get("program") or {}).get("exists"):
         add(FAIL, f"the program {local.program} does not exist on {host}",
-            f"copy it to {host} at the same path (rsync -a {local.program} {host}:{local.program}), or keep code on "
-            f"a shared file system")
+            f"copy it to {host} at the same path (rsync -a {shlex.quote(local.program)} "
+            f"{shlex.quote(host + ':' + local.program)}), or keep code on a shared file system")
     if not any(f.status != OK for f in out):
         extra = f", {local.program} present" if local.program else ""
         mpi4py = f" with mpi4py {py.get('mpi4py')}" if py.get("mpi4py") else ""
