@@ -951,6 +951,8 @@ def _cmdline(pid: int) -> str:
 
 def down_prefix(prefix: str) -> list[str]:
     """Remove one cluster's pieces found by name alone (no state file needed); return leftovers."""
+    if not _PREFIX_RE.match(prefix):
+        raise ValueError(f"prefix {prefix!r} must match {_PREFIX_RE.pattern}")
     netns = [ns for ns in _netns_list() if ns.startswith(f"{NETNS_PREFIX}{prefix}-")]
     veths = [name for name in _link_names() if name.startswith(f"{VETH_PREFIX}{prefix}-")]
     return _teardown(prefix=prefix, workdir=STATE_DIR / prefix, bridge=f"{BRIDGE_PREFIX}{prefix}",
@@ -1026,7 +1028,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_up.add_argument("--hold", action="store_true",
                       help="stay in the foreground; tear down on Ctrl-C / SIGTERM")
     p_up.add_argument("--json", action="store_true", help="print the state as JSON")
-    p_down = sub.add_parser("down", help="tear down clusters made by `up` (default: all of them)")
+    p_down = sub.add_parser(
+        "down", help="tear down clusters made by `up`: with no PREFIX every one on this machine, "
+                     "whoever ran it (scripts sharing the machine should pass PREFIX)")
     p_down.add_argument("prefix", nargs="?", help="only this cluster (any origin)")
     p_down.add_argument("--all", action="store_true",
                         help="every dtrun test cluster and leftover on this machine, whoever made it")
@@ -1040,7 +1044,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cluster_faults = {f.strip() for spec in args.cluster_fault for f in spec.split(",") if f.strip()}
             cluster = Cluster(args.n, faults=faults, cluster_faults=cluster_faults, prefix=args.prefix)
         except (ValueError, KeyError) as exc:
-            parser.error(str(exc))
+            parser.error(str(exc.args[0]) if exc.args else str(exc))
         try:
             cluster.up()
         except ClusterError as exc:
@@ -1067,6 +1071,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     if args.command == "down":
+        if args.prefix and not _PREFIX_RE.match(args.prefix):
+            parser.error(f"prefix {args.prefix!r} must match {_PREFIX_RE.pattern}")
         if args.all:
             left = down_all()
         else:

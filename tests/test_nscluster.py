@@ -436,3 +436,14 @@ def test_cli_up_status_down():
         assert leftovers(prefix) == []
     finally:
         nscluster.down_prefix(prefix)
+
+
+def test_cli_fault_specs_parse_and_bad_prefixes_are_refused():
+    assert nscluster._parse_fault_specs(["h2=firewall,dead", "0=bad_path", "h2=docker0"]) == {
+        "h2": {"firewall", "dead", "docker0"}, 0: {"bad_path"}}
+    with pytest.raises(ValueError, match="HOST=FAULT"):
+        nscluster._parse_fault_specs(["firewall"])
+    with pytest.raises(ValueError):
+        nscluster.down_prefix("../etc")
+    with pytest.raises(ValueError):
+        Cluster(2, prefix="Bad/Prefix")
