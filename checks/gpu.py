@@ -74,8 +74,9 @@ def gpu_findings(hosts: list[HostGpus]) -> list[Finding]:
         summary = ", ".join(f"{n}× {name}" for name, n in names.items())
         problems = []
         if len(h.gpus) < h.slots:
-            problems.append((WARN, f"{len(h.gpus)} GPUs for {h.slots} slots: ranks would share GPUs",
-                             f"give {h.host} at most {len(h.gpus)} slots"))
+            n = len(h.gpus)
+            problems.append((WARN, f"{n} GPU{'s' if n != 1 else ''} for {h.slots} slots: ranks would share GPUs",
+                             f"give {h.host} at most {n} slot{'s' if n != 1 else ''}"))
         drv = h.gpus[0].driver
         if common and drv != common:
             others = sorted(x.host for x in with_gpus if x.gpus[0].driver == common)

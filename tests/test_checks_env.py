@@ -154,6 +154,20 @@ def test_gpu_findings():
     assert by["h4"][0].status == WARN and "other hosts have GPUs" in by["h4"][0].detail
 
 
+# The gpu part of checks/remote_probe.py's report, run on a real H100 machine (captured once).
+H100_PROBE = {"gpu": {
+    "nvidia_smi": "/usr/local/nvidia/bin/nvidia-smi", "rc": 0,
+    "query": "0, NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB\n",
+    "nccl": ["/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2",
+             "/usr/lib/x86_64-linux-gnu/libnccl.so.2"]}}
+
+
+def test_gpu_findings_on_a_probe_report_captured_on_an_h100():
+    one, two = gpu.gpu_findings([gpu.host_gpus("g1", 1, H100_PROBE), gpu.host_gpus("g2", 2, H100_PROBE)])
+    assert one.status == OK and one.detail.startswith("1× NVIDIA H100 80GB HBM3, driver 580.159.04, NCCL /opt/torch")
+    assert two.status == WARN and "1 GPU for 2 slots" in two.detail and two.fix == "give g2 at most 1 slot"
+
+
 def test_no_gpus_anywhere_is_not_applicable():
     found = gpu.gpu_findings([gpu.host_gpus("h1", 1, {"gpu": {"nvidia_smi": None}})])
     assert statuses(found) == [(NA, "gpu")]
