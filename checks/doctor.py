@@ -12,9 +12,7 @@ its connect timeout and never holds up the others.
 from __future__ import annotations
 
 import os
-import socket
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -84,17 +82,6 @@ class DoctorReport:
                 "summary": {h: {c: self.cell(h, c) for c in CHECKS} for h in self.hosts},
                 "findings": [f.to_dict() for f in self.findings], "recommendation": self.recommendation,
                 "firewall_pairs": self.firewall_pairs, "e2e": self.e2e, "timings": self.timings}
-
-
-def ssh_config_path(given: Optional[str], selection, environ=None) -> Optional[str]:
-    """--ssh-config, else $DTRUN_SSH_CONFIG, else the cluster file's ssh_config, else ~/.ssh/config."""
-    from checks.ssh import default_ssh_config
-
-    environ = os.environ if environ is None else environ
-    path = given or environ.get("DTRUN_SSH_CONFIG") or selection.ssh_config
-    if path and not os.path.isfile(path):
-        raise UsageError(f"ssh config {path}: no such file")
-    return path or default_ssh_config()
 
 
 def tree_spawn_pairs(hosts: list[str], radix: int, launcher_in_list: bool = False) -> list[tuple[str, str]]:
@@ -181,7 +168,7 @@ def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport
 
     t_start = time.monotonic()
     flavor = detect_flavor(find_mpirun())
-    cfg_path = ssh_config_path(spec.ssh_config, selection)
+    cfg_path = ssh.ssh_config_path(spec.ssh_config, selection.ssh_config)
     runs = [HostRun(h.host, h.slots, is_local(h.host)) for h in selection.hosts]
     launcher_in_list = any(r.local for r in runs)
     helper = None if launcher_in_list else HostRun(network.LAUNCHER, 0, True)
@@ -354,7 +341,9 @@ def _pairs_phase(spec, runs, helper, rec, ifaces, launcher_ifs, cfg_path, select
         t0 = time.monotonic()
         try:
             r.probe.send(req)
-            wait = firewall.CONNECT_TIMEOUT_S + (ssh_timeout + 10) * (1 + len(req["ssh"]) // 32) + spec.timeout
+            # The probe connects all at once, and runs its ssh hops 32 at a time, each within ssh_timeout + 5 s.
+            batches = -(-len(req["ssh"]) // 32)
+            wait = firewall.CONNECT_TIMEOUT_S + spec.timeout + batches * (ssh_timeout + 5)
             out = r.probe.read(wait, "firewall probe")
             results[r.name] = out.get("connect", {})
             ssh_results[r.name] = out.get("ssh", {})
@@ -368,7 +357,7 @@ def _pairs_phase(spec, runs, helper, rec, ifaces, launcher_ifs, cfg_path, select
     if len(endpoints) > 1:
         findings += firewall.firewall_findings(results, endpoints, rec.cidr)
     findings += ssh_pair_findings(ssh_results, why, bool(spec.all_pairs))
-    return {src: {dst: r for dst, r in row.items()} for src, row in results.items()}
+    return results
 
 
 def ssh_pair_findings(results: dict, why: str, all_pairs: bool) -> list[Finding]:

@@ -8,7 +8,6 @@ job on pairs of hosts to find the host or pair that hangs.
 """
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

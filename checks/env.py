@@ -157,7 +157,7 @@ def env_findings(host: str, rep: Mapping, local: LocalFacts, is_this_host: bool 
     elif py.get("is_job_python"):
         if py.get("version") != local.python_version:
             add(FAIL, f"{local.python} on {host} is Python {py.get('version')}; here it is {local.python_version}",
-                f"use the same Python version on every host (pickled objects and compiled extensions differ)")
+                "use the same Python version on every host (pickled objects and compiled extensions differ)")
         if py.get("mpi4py_error"):
             err = py["mpi4py_error"]
             lib = "cannot open shared object" in err or "libmpi" in err or err.startswith("OSError")

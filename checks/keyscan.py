@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
@@ -88,24 +87,16 @@ def ask(question: str, stdin: TextIO, out: TextIO) -> bool:
 def keyscan(spec: KeyscanSpec, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
     """Fetch, show and (after confirmation) record each host's key; 0 when every host ends up known."""
     from checks import ssh
-    from checks.doctor import ssh_config_path
-    from launcher.hosts import HostSelection, is_local
+    from launcher.hosts import is_local
 
     selection, hosts = _names(spec)
-    cfg_path = ssh_config_path(spec.ssh_config, selection or HostSelection((), "keyscan"))
+    cfg_path = ssh.ssh_config_path(spec.ssh_config, selection.ssh_config if selection else None)
     config = ssh.load_ssh_config(cfg_path)
     targets = [ssh.ssh_target(h, config, cfg_path) for h in hosts if not is_local(h.host)]
-
-    def one(t):
-        try:
-            return fetch_key(t, spec.timeout)
-        except CheckError as exc:
-            return exc
-
-    with ThreadPoolExecutor(max_workers=max(1, min(32, len(targets)))) as pool:
-        keys = list(pool.map(one, targets))
+    keys = ssh.fan_out(targets, lambda t: fetch_key(t, spec.timeout))
     code = ExitCode.OK
-    for t, key in zip(targets, keys):
+    for t in targets:
+        key = keys[t.name]
         if isinstance(key, CheckError):
             print(f"{t.name}: {key.detail}; fix: {key.fix}", file=out)
             code = ExitCode.FAILED

@@ -145,16 +145,10 @@ def preflight(opts, selection, flavor, environ: Optional[Mapping[str, str]] = No
     Raises:
         PreflightError: a host cannot be reached over ssh without a prompt (the finding is printed).
     """
-    from launcher.errors import UsageError
+    from checks.ssh import ssh_config_path
 
     environ = os.environ if environ is None else environ
-    cfg = opts.ssh_config or environ.get("DTRUN_SSH_CONFIG") or selection.ssh_config
-    if cfg and not os.path.isfile(cfg):
-        raise UsageError(f"ssh config {cfg}: no such file")
-    if not cfg:
-        from checks.ssh import default_ssh_config
-
-        cfg = default_ssh_config()
+    cfg = ssh_config_path(opts.ssh_config, selection.ssh_config, environ)
     key = cache_key(selection.hosts, cfg)
     result = read_cache(key)
     if result is None:

@@ -73,20 +73,36 @@ def import_paramiko():
     dtrun does not evaluate ``Match exec`` (``ssh_target`` says so if a config uses it), so
     ``import invoke`` is made to fail while paramiko loads, which paramiko.config tolerates.
     """
-    if "paramiko" not in sys.modules and "invoke" not in sys.modules:
-        sys.modules["invoke"] = None  # type: ignore[assignment]  # import invoke -> ImportError
-        try:
-            import paramiko
-        finally:
-            del sys.modules["invoke"]  # anyone else importing invoke later gets the real one
-    import paramiko
+    if "paramiko" in sys.modules or "invoke" in sys.modules:
+        import paramiko
 
+        return paramiko
+    sys.modules["invoke"] = None  # type: ignore[assignment]  # import invoke -> ImportError
+    try:
+        import paramiko
+    finally:
+        del sys.modules["invoke"]  # anyone else importing invoke later gets the real one
     return paramiko
 
 
 def default_ssh_config() -> Optional[str]:
     path = os.path.expanduser("~/.ssh/config")
     return path if os.path.isfile(path) else None
+
+
+def ssh_config_path(given: Optional[str], from_cluster_file: Optional[str] = None, environ=None) -> Optional[str]:
+    """--ssh-config, else $DTRUN_SSH_CONFIG, else the cluster file's ssh_config, else ~/.ssh/config.
+
+    Raises:
+        UsageError: the file named does not exist.
+    """
+    environ = os.environ if environ is None else environ
+    path = given or environ.get("DTRUN_SSH_CONFIG") or from_cluster_file
+    if path and not os.path.isfile(path):
+        from launcher.errors import UsageError
+
+        raise UsageError(f"ssh config {path}: no such file")
+    return path or default_ssh_config()
 
 
 def load_ssh_config(path: Optional[str]):
@@ -450,17 +466,22 @@ def connect(target: SshTarget, timeout: float = DEFAULT_TIMEOUT_S) -> SshConnect
                          {"tcp": t_tcp - t0, "kex": t_kex - t_tcp, "auth": t_auth - t_kex, "total": t_auth - t0})
 
 
-def connect_all(targets: Sequence[SshTarget], timeout: float, workers: int = 32):
-    """Connect to every target in parallel; {name: SshConnection or CheckError}."""
+def fan_out(targets: Sequence[SshTarget], work, workers: int = 32) -> dict:
+    """``work(target)`` for every target in parallel: {name: its result, or the CheckError it raised}."""
     from concurrent.futures import ThreadPoolExecutor
 
     from checks.errors import CheckError
 
     def one(t):
         try:
-            return connect(t, timeout)
+            return work(t)
         except CheckError as exc:
             return exc
 
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(targets)))) as pool:
         return dict(zip([t.name for t in targets], pool.map(one, targets)))
+
+
+def connect_all(targets: Sequence[SshTarget], timeout: float) -> dict:
+    """Connect to every target in parallel; {name: SshConnection or CheckError}."""
+    return fan_out(targets, lambda t: connect(t, timeout))
