@@ -24,6 +24,9 @@ _MARKER_RE = re.compile(re.escape(MARKER) + r" rank=(\S+) host=(\S+) (code|signa
 _OMPI_RANK_RE = re.compile(r"Process name:\s+\[[^\]]*?,(\d+)\]")
 _OMPI_CODE_RE = re.compile(r"Exit code:\s+(\d+)")
 _OMPI_SIGNAL_RE = re.compile(r"exited on signal (\d+)")
+_OMPI_ABORT_RE = re.compile(r"process rank (\d+) with PID \d+ on node (\S+)")
+# Signals mpirun sends to the other ranks while it tears a failed job down.
+_TEARDOWN_SIGNALS = {signal.SIGTERM, signal.SIGKILL, signal.SIGINT, signal.SIGHUP}
 # Grace periods for a Ctrl-C: mpirun gets this long to stop its ranks before SIGTERM, then SIGKILL.
 INTERRUPT_GRACE_S = 5.0
 TERM_GRACE_S = 3.0
@@ -40,6 +43,8 @@ class RankFailure:
     def how(self) -> str:
         if self.signum is not None:
             return f"killed by {signal_name(self.signum)}"
+        if self.code is None:
+            return "aborted the job"
         return f"exited with code {self.code}"
 
 
@@ -59,6 +64,24 @@ def parse_marker(line: str) -> Optional[RankFailure]:
     if kind == "signal":
         return RankFailure(rank, host, signum=int(value))
     return RankFailure(rank, host, code=int(value))
+
+
+def order_failures(failures: Sequence[RankFailure], reported_rank: Optional[str] = None) -> list[RankFailure]:
+    """Put the root cause first.
+
+    Output from different hosts arrives in any order, so arrival order is not failure
+    order: the rank Open MPI reports first wins; then ranks that exited with a code or
+    died of a signal of their own (SIGSEGV, ...) before ranks mpirun killed while
+    tearing the job down.
+    """
+    def key(item):
+        i, f = item
+        if reported_rank is not None and f.rank == reported_rank:
+            return (0, i)
+        torn_down = f.signum is not None and f.signum in _TEARDOWN_SIGNALS
+        return (2 if torn_down else 1, i)
+
+    return [f for _, f in sorted(enumerate(failures), key=key)]
 
 
 def exit_code_for(mpirun_rc: int, failures: Sequence[RankFailure], interrupted: bool,
@@ -95,7 +118,8 @@ class _StderrPump(threading.Thread):
             if failure is not None:
                 self.failures.append(failure)
                 continue
-            if "Process name:" in line or "Exit code:" in line or "exited on signal" in line:
+            if ("Process name:" in line or "Exit code:" in line or "exited on signal" in line
+                    or "process rank" in line):
                 self.ompi_report.append(line)
             if out is not None:
                 out.write(raw)
@@ -103,11 +127,18 @@ class _StderrPump(threading.Thread):
             else:
                 sys.stderr.write(line)
 
+    def reported_rank(self) -> Optional[str]:
+        """The rank Open MPI names as the first to fail, if it said."""
+        text = "".join(self.ompi_report)
+        m = _OMPI_RANK_RE.search(text) or _OMPI_ABORT_RE.search(text)
+        return m.group(1) if m else None
+
     def fallback_failure(self) -> Optional[RankFailure]:
         text = "".join(self.ompi_report)
         rank = _OMPI_RANK_RE.search(text)
         if not rank:
-            return None
+            abort = _OMPI_ABORT_RE.search(text)
+            return RankFailure(abort.group(1), abort.group(2), code=None) if abort else None
         code = _OMPI_CODE_RE.search(text)
         sig = _OMPI_SIGNAL_RE.search(text)
         return RankFailure(rank.group(1), "?", code=int(code.group(1)) if code else None,
@@ -170,7 +201,7 @@ def run_job(argv: Sequence[str], env: Optional[dict] = None) -> JobResult:
     pump.join(timeout=5)
     if state["interrupted"]:
         _reap_group(proc.pid)
-    failures = list(pump.failures)
+    failures = order_failures(pump.failures, pump.reported_rank())
     if not failures and proc.returncode != 0 and not state["interrupted"]:
         fb = pump.fallback_failure()
         if fb:
@@ -195,7 +226,7 @@ def failure_summary(result: JobResult, log_dir: Optional[str] = None) -> str:
         return f"dtrun: job failed: mpirun exited with code {result.mpirun_returncode}"
     first = result.failures[0]
     others = len({f.rank for f in result.failures}) - 1
-    tail = f" ({others} other rank{'s' if others != 1 else ''} ended after it)" if others > 0 else ""
+    tail = f" ({others} other rank{'s' if others != 1 else ''} stopped too)" if others > 0 else ""
     lines = [f"dtrun: job failed: rank {first.rank} on {first.host} {first.how}{tail}",
              "  first failure:",
              f"    rank       : {first.rank}",

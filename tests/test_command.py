@@ -161,7 +161,7 @@ def test_marker_parsing_through_tag_prefix():
 def test_failure_summary_names_first_rank_host_and_log():
     r = JobResult(7, 7, [RankFailure("3", "node2", code=7), RankFailure("0", "node1", signum=15)])
     text = failure_summary(r, "/logs")
-    assert text.splitlines()[0] == "dtrun: job failed: rank 3 on node2 exited with code 7 (1 other rank ended after it)"
+    assert text.splitlines()[0] == "dtrun: job failed: rank 3 on node2 exited with code 7 (1 other rank stopped too)"
     assert "host       : node2" in text and "/logs/rank.3.log" in text
 
 
@@ -182,3 +182,13 @@ def test_python_programs_are_run_under_mpi4py_abort_handler():
     assert rankexec.with_abort_on_exception([py, "-m", "mpi4py", "x.py"]) == [py, "-m", "mpi4py", "x.py"]
     assert rankexec.with_abort_on_exception(["/bin/sh", "-c", "true"]) == ["/bin/sh", "-c", "true"]
     assert rankexec.with_abort_on_exception(["/other/env/bin/python", "x.py"]) == ["/other/env/bin/python", "x.py"]
+
+
+def test_root_cause_first_whatever_the_arrival_order():
+    from launcher.run import order_failures
+    killed = RankFailure("0", "h1", signum=15)
+    failed = RankFailure("2", "h3", code=5)
+    segv = RankFailure("1", "h2", signum=11)
+    assert order_failures([killed, failed]) == [failed, killed]
+    assert order_failures([killed, segv, failed]) == [segv, failed, killed]
+    assert order_failures([killed, failed, segv], reported_rank="1") == [segv, failed, killed]
