@@ -134,3 +134,17 @@ def test_sigint_leaves_nothing_alive_on_any_host(cluster3, tmp_path):
     while _job_procs(token, cluster3.gateway) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _job_procs(token, cluster3.gateway) == []
+
+
+def test_smoke_passes_on_every_host(cluster3):
+    p = dtrun("smoke", "--ssh-config", cluster3.ssh_config, "-H", host_list(cluster3, [1, 2, 1]),
+              "--no-tag-output", "--", "--json", timeout=180)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    import json
+    start = p.stdout.index("{")
+    report = json.loads(p.stdout[start:])
+    assert report["ok"] is True
+    assert sorted((r["rank"], r["host"]) for r in report["ranks"]) == \
+        list(enumerate([cluster3.hosts[0].name, cluster3.hosts[1].name, cluster3.hosts[1].name, cluster3.hosts[2].name]))
+    for r in report["ranks"]:
+        assert set(r["results"]) == set(report["ops"]) and all(v["ok"] for v in r["results"].values()), r
