@@ -11,6 +11,7 @@ its connect timeout and never holds up the others.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -69,6 +70,7 @@ class DoctorReport:
     timings: dict = field(default_factory=dict)
     e2e: Optional[dict] = None
     firewall_pairs: dict = field(default_factory=dict)
+    interfaces: dict = field(default_factory=dict)  # host -> [{name, up, mtu, addrs}]
 
     @property
     def exit_code(self) -> int:
@@ -81,7 +83,8 @@ class DoctorReport:
         return {"hosts": self.hosts, "exit_code": int(self.exit_code),
                 "summary": {h: {c: self.cell(h, c) for c in CHECKS} for h in self.hosts},
                 "findings": [f.to_dict() for f in self.findings], "recommendation": self.recommendation,
-                "firewall_pairs": self.firewall_pairs, "e2e": self.e2e, "timings": self.timings}
+                "interfaces": self.interfaces, "firewall_pairs": self.firewall_pairs, "e2e": self.e2e,
+                "timings": self.timings}
 
 
 def tree_spawn_pairs(hosts: list[str], radix: int, launcher_in_list: bool = False) -> list[tuple[str, str]]:
@@ -286,7 +289,10 @@ def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport
         "per_host": {r.name: {k: round(v, 3) for k, v in r.times.items()} for r in everyone},
     }
     hosts = [r.name for r in runs] + ([helper.name] if helper and any(f.host == helper.name for f in findings) else [])
-    return DoctorReport(hosts, findings, rec.to_dict(flavor) if rec else None, timings, e2e_summary, fw_pairs)
+    seen = {r.name: network.interfaces_of(r.report) for r in everyone if r.report and not r.report.get("error")}
+    interfaces = {h: [dataclasses.asdict(i) for i in ifs] for h, ifs in seen.items()}
+    return DoctorReport(hosts, findings, rec.to_dict(flavor) if rec else None, timings, e2e_summary, fw_pairs,
+                        interfaces)
 
 
 def _job_ssh_config(selection, cfg_path: Optional[str]) -> Optional[str]:

@@ -46,3 +46,5 @@ def test_doctor_on_this_host_alone(tmp_path):
     assert data["summary"]["localhost"] == {"ssh": "na", "env": "ok", "network": "na", "firewall": "na",
                                             "gpu": "na", "e2e": "ok"}
     assert data["recommendation"] is None
+    lo = next(i for i in data["interfaces"]["localhost"] if i["name"] == "lo")
+    assert lo == {"name": "lo", "up": True, "mtu": 65536, "addrs": ["127.0.0.1/8"]}

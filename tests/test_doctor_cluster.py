@@ -53,8 +53,11 @@ def assert_green(data, host, e2e_ran=True):
 def test_healthy_cluster_is_all_green_with_end_to_end_stage_times(cluster3):
     code, data, elapsed = doctor_json(cluster3)
     assert code == 0 and data["exit_code"] == 0
+    prefixlen = cluster3.subnet.split("/")[1]
     for h in cluster3.hosts:
         assert_green(data, h.name)
+        eth0 = next(i for i in data["interfaces"][h.name] if i["name"] == "eth0")
+        assert eth0["up"] and eth0["addrs"] == [f"{h.addr}/{prefixlen}"] and eth0["mtu"]
     assert not [f for f in data["findings"] if f["status"] in ("warn", "fail")]
     assert data["recommendation"]["cidr"] == cluster3.subnet
     assert data["recommendation"]["flags"]["dtrun"] == f"--include-iface {cluster3.subnet}"
