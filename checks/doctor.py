@@ -216,47 +216,21 @@ def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport
             r.step = f"✗ {exc.detail[:60]}"
         r.times["phase_a"] = time.monotonic() - t0
 
-    workers = max(1, min(MAX_WORKERS, len(everyone)))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        list(pool.map(phase_a, everyone))
-    t_a = time.monotonic()
-
-    findings: list[Finding] = []
-    for r in everyone:
-        findings += r.findings
-        r.findings = []
-    local_report = next((r.report for r in everyone if r.local and r.report), None)
-    facts = env.local_facts(flavor, local_report, spec.program)
-    probed = [r for r in runs if r.report and not r.report.get("error")]
-    # --- env ---
-    for r in runs:
-        if r.report:
-            findings += env.env_findings(r.name, r.report, facts, is_this_host=r.local)
-    findings += env.consistency_findings({r.name: r.report for r in runs if r.report and not r.local}, facts)
-    # --- network (none to choose when every rank runs on this host: MPI uses shared memory) ---
-    ifaces = {r.name: network.interfaces_of(r.report) for r in probed}
-    if all(r.local for r in runs):
-        findings += [Finding(r.name, c, NA, "this host only: ranks talk through shared memory")
-                     for r in runs for c in ("network", "firewall")]
-        ifaces = {}
-    launcher_ifs = network.interfaces_of(helper.report) if helper and helper.report else None
-    reached = {r.name: r.conn.transport.getpeername()[0] for r in runs if r.conn}
-    rec = network.recommend(ifaces, launcher_ifs, reached) if ifaces else None
-    if ifaces:
-        findings += network.network_findings(ifaces, rec, launcher_ifs)
-    # --- gpu ---
-    findings += gpu.gpu_findings([gpu.host_gpus(r.name, r.slots, r.report) for r in probed])
-    # --- pairs: firewall and host-to-host ssh ---
-    fw_pairs = {}
-    if rec is not None:
-        fw_pairs = _pairs_phase(spec, runs, helper, rec, ifaces, launcher_ifs, cfg_path, selection, findings,
-                                launcher_in_list)
+    try:
+        workers = max(1, min(MAX_WORKERS, len(everyone)))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(phase_a, everyone))
+        t_a = time.monotonic()
+        findings, rec, fw_pairs, parsed = _analyse(spec, selection, flavor, runs, helper, cfg_path,
+                                                   launcher_in_list)
+    finally:
+        for r in everyone:
+            if r.probe:
+                r.probe.close()
+            if r.conn:
+                r.conn.close()
     t_pairs = time.monotonic()
     for r in everyone:
-        if r.probe:
-            r.probe.close()
-        if r.conn:
-            r.conn.close()
         findings += r.findings
     # --- checks that could not run on a host ---
     for r in runs:
@@ -274,7 +248,7 @@ def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport
     else:
         for r in runs:
             r.step = "end to end: running a job through dtrun"
-        names = {r.report.get("hostname"): r.name for r in probed if r.report.get("hostname")}
+        names = {r.report.get("hostname"): r.name for r in runs if r.report and r.report.get("hostname")}
         cfg_for_job = _job_ssh_config(selection, cfg_path)
         flags = rec.flags(flavor)["dtrun"] if rec else ""
         f2, e2e_summary = e2e_check.end_to_end([r.name for r in runs], cfg_for_job, rec.cidr if rec else None, names,
@@ -289,10 +263,46 @@ def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport
         "per_host": {r.name: {k: round(v, 3) for k, v in r.times.items()} for r in everyone},
     }
     hosts = [r.name for r in runs] + ([helper.name] if helper and any(f.host == helper.name for f in findings) else [])
-    seen = {r.name: network.interfaces_of(r.report) for r in everyone if r.report and not r.report.get("error")}
-    interfaces = {h: [dataclasses.asdict(i) for i in ifs] for h, ifs in seen.items()}
+    interfaces = {h: [dataclasses.asdict(i) for i in ifs] for h, ifs in parsed.items()}
     return DoctorReport(hosts, findings, rec.to_dict(flavor) if rec else None, timings, e2e_summary, fw_pairs,
                         interfaces)
+
+
+def _analyse(spec, selection, flavor, runs, helper, cfg_path, launcher_in_list):
+    """After every probe answered: env, network, GPU findings, then the pair round over the live probes."""
+    everyone = runs + ([helper] if helper else [])
+    findings: list[Finding] = []
+    for r in everyone:
+        findings += r.findings
+        r.findings = []
+    local_report = next((r.report for r in everyone if r.local and r.report), None)
+    facts = env.local_facts(flavor, local_report, spec.program)
+    probed = [r for r in runs if r.report and not r.report.get("error")]
+    parsed = {r.name: network.interfaces_of(r.report) for r in everyone if r.report and not r.report.get("error")}
+    # --- env ---
+    for r in runs:
+        if r.report:
+            findings += env.env_findings(r.name, r.report, facts, is_this_host=r.local)
+    findings += env.consistency_findings({r.name: r.report for r in runs if r.report and not r.local}, facts)
+    # --- network (none to choose when every rank runs on this host: MPI uses shared memory) ---
+    ifaces = {r.name: parsed[r.name] for r in probed}
+    if all(r.local for r in runs):
+        findings += [Finding(r.name, c, NA, "this host only: ranks talk through shared memory")
+                     for r in runs for c in ("network", "firewall")]
+        ifaces = {}
+    launcher_ifs = parsed.get(helper.name) if helper else None
+    reached = {r.name: r.conn.transport.getpeername()[0] for r in runs if r.conn}
+    rec = network.recommend(ifaces, launcher_ifs, reached) if ifaces else None
+    if ifaces:
+        findings += network.network_findings(ifaces, rec, launcher_ifs)
+    # --- gpu ---
+    findings += gpu.gpu_findings([gpu.host_gpus(r.name, r.slots, r.report) for r in probed])
+    # --- pairs: firewall and host-to-host ssh ---
+    fw_pairs = {}
+    if rec is not None:
+        fw_pairs = _pairs_phase(spec, runs, helper, rec, ifaces, launcher_ifs, cfg_path, selection, findings,
+                                launcher_in_list)
+    return findings, rec, fw_pairs, parsed
 
 
 def _job_ssh_config(selection, cfg_path: Optional[str]) -> Optional[str]:
