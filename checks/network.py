@@ -122,7 +122,7 @@ def openmpi_include_args(cidr: str, flavor) -> list[str]:
 
     flavor = flavor or Flavor(OPENMPI, (5, 0, 0))
     spec = cmd.LaunchSpec(program=("true",), hosts=(), np=1, include_iface=(cidr,), iface_reason="doctor")
-    return [a for g in cmd._iface_groups_openmpi(spec, flavor) for a in g.args]
+    return [a for g in cmd.iface_groups_openmpi(spec, flavor) for a in g.args]
 
 
 def _addr_owners(hosts: Mapping[str, Sequence[Interface]]) -> dict[str, list[tuple[str, str]]]:

@@ -41,7 +41,7 @@ class PreflightResult:
 
 
 def _cache_dir() -> Path:
-    from launcher.launch import _cache_dir as dtrun_cache
+    from launcher.paths import cache_dir as dtrun_cache
 
     return dtrun_cache() / "preflight"
 

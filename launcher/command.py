@@ -95,7 +95,7 @@ def _env_list(spec: LaunchSpec) -> list[tuple[str, Optional[str], str]]:
     return out
 
 
-def _iface_groups_openmpi(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
+def iface_groups_openmpi(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
     if spec.local_only:
         return []
     v5 = flavor.major >= 5
@@ -154,7 +154,7 @@ def _openmpi_groups(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
     else:
         g.append(ArgGroup(("--mca", "pml", "ob1", "--mca", "btl", "^openib"),
                           "ob1 with the TCP and shared-memory BTLs; openib is deprecated and slow to probe"))
-    g.extend(_iface_groups_openmpi(spec, flavor))
+    g.extend(iface_groups_openmpi(spec, flavor))
     if spec.ssh_config:
         key = ("--prtemca", "plm_ssh_args") if v5 else ("--mca", "plm_rsh_args")
         g.append(ArgGroup(key + (f"-F {spec.ssh_config}",), "ssh user/port/identity per host"))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from launcher.errors import MpiFlavorError, MpiNotFoundError
+from launcher.paths import cache_dir
 
 OPENMPI = "openmpi"
 MPICH = "mpich"
@@ -102,8 +103,7 @@ def find_mpirun(explicit: Optional[str] = None, environ: Optional[Mapping[str, s
 
 
 def _cache_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dtrun" / "mpi-flavors.json"
+    return cache_dir() / "mpi-flavors.json"
 
 
 def _prefix_of(mpirun: str) -> str:

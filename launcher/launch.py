@@ -12,6 +12,7 @@ from typing import Mapping, Optional
 from launcher import command as cmd
 from launcher.errors import ExitCode, UsageError
 from launcher.flavors import Flavor, detect_flavor, find_mpirun
+from launcher.paths import cache_dir
 from launcher.hosts import HostSelection, all_local, is_local, resolve_hosts, resolve_np
 
 RANKEXEC = str(Path(__file__).with_name("rankexec.py"))
@@ -49,11 +50,6 @@ def warn(msg: str) -> None:
     print(f"dtrun: warning: {msg}", file=sys.stderr)
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dtrun"
-
-
 def ssh_config_for(selection: HostSelection, base_config: Optional[str]) -> Optional[str]:
     """An ssh config that carries the cluster file's per-host user/port/identity.
 
@@ -76,7 +72,7 @@ def ssh_config_for(selection: HostSelection, base_config: Optional[str]) -> Opti
     if os.path.exists(include):
         lines += ["Host *", f'  Include "{os.path.abspath(include)}"']
     text = "\n".join(lines) + "\n"
-    path = _cache_dir() / "ssh" / f"config-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    path = cache_dir() / "ssh" / f"config-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = path.with_suffix(f".{os.getpid()}")
@@ -88,7 +84,7 @@ def ssh_config_for(selection: HostSelection, base_config: Optional[str]) -> Opti
 def mpich_ssh_wrapper(config: str) -> str:
     """Hydra takes an ssh executable, not ssh arguments: a two-line script that adds -F."""
     text = f"#!/bin/sh\nexec ssh -F {shlex.quote(config)} \"$@\"\n"
-    path = _cache_dir() / "ssh" / f"ssh-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    path = cache_dir() / "ssh" / f"ssh-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         path.write_text(text)
