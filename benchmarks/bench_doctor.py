@@ -20,19 +20,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-BIN = Path(sys.executable).parent
-DTRUN = str(BIN / "dtrun")
+from tests.dtrun_helpers import BIN, DTRUN, user_env as env  # noqa: E402  (the same environment the tests use)
 SIZES = tuple(int(n) for n in os.environ.get("BENCH_HOSTS", "1,4,8,16").split(","))
 REPS = int(os.environ.get("BENCH_REPS", "3"))
 TARGET_RATIO = 1.5
 TARGET_4_HOSTS_S = 5.0
 DEAD_TIMEOUT_S = 2.0
 
-
-def env():
-    e = dict(os.environ)
-    e["PATH"] = f"{BIN}{os.pathsep}{e.get('PATH', '')}"
-    return e
 
 
 def doctor_argv(cluster, *extra):

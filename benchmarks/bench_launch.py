@@ -18,18 +18,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-BIN = Path(sys.executable).parent
-DTRUN = str(BIN / "dtrun")
+from tests.dtrun_helpers import BIN, DTRUN, user_env as env  # noqa: E402  (the same environment the tests use)
 PROG = ["python", "-c", "from mpi4py import MPI"]
 PAIRS = int(os.environ.get("BENCH_PAIRS", "15"))
 TARGET_ADDED_S = 0.15
 TARGET_DRY_RUN_S = 0.2
 
-
-def env():
-    e = dict(os.environ)
-    e["PATH"] = f"{BIN}{os.pathsep}{e.get('PATH', '')}"
-    return e
 
 
 def timed(argv) -> float:

@@ -22,3 +22,42 @@ def user_env(**extra):
 def dtrun(*args, timeout=120, env=None, cwd=REPO, **kw):
     return subprocess.run([DTRUN, *map(str, args)], capture_output=True, text=True, timeout=timeout,
                           env=env or user_env(), cwd=cwd, stdin=subprocess.DEVNULL, **kw)
+
+
+def interrupt_when_up(argv, ups, check_running=None, timeout_up=60, timeout_exit=30):
+    """Start dtrun, wait for ``ups`` ranks to print 'up', send SIGINT, return its exit code.
+
+    ``check_running`` runs once all ranks are up (to assert the job's processes exist).
+    """
+    import signal
+    import time
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=user_env(), cwd=REPO, stdin=subprocess.DEVNULL)
+    try:
+        seen, deadline = 0, time.monotonic() + timeout_up
+        while seen < ups and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+            seen += line.strip() == "up"
+        assert seen == ups, f"only {seen} of {ups} ranks started: {proc.stderr.read() if proc.poll() is not None else ''}"
+        if check_running:
+            check_running()
+        proc.send_signal(signal.SIGINT)
+        return proc.wait(timeout=timeout_exit)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def wait_until_empty(find, timeout=5.0):
+    """Poll ``find()`` until it returns nothing or ``timeout`` passes; return its last answer."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    left = find()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = find()
+    return left

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, user_env
+from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, interrupt_when_up, user_env, wait_until_empty
 
 pytestmark = pytest.mark.mpi
 
@@ -84,27 +84,13 @@ def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
             "print('up', flush=True)\ntime.sleep(120)\n")
     script = tmp_path / f"{token}.py"
     script.write_text(prog)
-    proc = subprocess.Popen([DTRUN, "-np", "2", "python", str(script)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=user_env(), cwd=REPO, stdin=subprocess.DEVNULL)
-    try:
-        seen = 0
-        deadline = time.monotonic() + 60
-        while seen < 2 and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            seen += line.strip() == "up"
-        assert seen == 2, "ranks did not start"
+    def two_ranks_running():
         ranks = [p for p in _job_processes(token) if "mpi4py" in p.cmdline()]
         assert len(ranks) == 2, ranks
-        proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+
+    rc = interrupt_when_up([DTRUN, "-np", "2", "python", str(script)], 2, two_ranks_running, timeout_exit=20)
     assert rc == 130
-    deadline = time.monotonic() + 5
-    while _job_processes(token) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _job_processes(token) == [], "rank processes left alive after Ctrl-C"
+    assert wait_until_empty(lambda: _job_processes(token)) == [], "rank processes left alive after Ctrl-C"
 
 
 OMPI4 = "/usr/bin/mpirun.openmpi"

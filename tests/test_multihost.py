@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, user_env
+from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, interrupt_when_up, user_env, wait_until_empty
 
 pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
 
@@ -113,27 +113,15 @@ def test_sigint_leaves_nothing_alive_on_any_host(cluster3, tmp_path):
     token = f"dtrun-mh-sigint-{os.getpid()}-{time.monotonic_ns()}"
     script = tmp_path / f"{token}.py"
     script.write_text("import time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\nprint('up', flush=True)\ntime.sleep(300)\n")
-    proc = subprocess.Popen([DTRUN, "--ssh-config", str(cluster3.ssh_config), "-H", host_list(cluster3, [1, 1, 1]),
-                             "--no-tag-output", "python", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=user_env(), cwd=REPO, stdin=subprocess.DEVNULL)
-    try:
-        seen, deadline = 0, time.monotonic() + 60
-        while seen < 3 and time.monotonic() < deadline:
-            seen += proc.stdout.readline().strip() == "up"
-        assert seen == 3, proc.stderr.read() if proc.poll() is not None else "ranks did not start"
+    def three_ranks_and_daemons():
         running = _job_procs(token, cluster3.gateway)
         assert len([c for _, c in running if token in c]) == 3, running
         assert any("prted" in c for _, c in running), running
-        proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert rc == 130
-    deadline = time.monotonic() + 5
-    while _job_procs(token, cluster3.gateway) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _job_procs(token, cluster3.gateway) == []
+
+    argv = [DTRUN, "--ssh-config", str(cluster3.ssh_config), "-H", host_list(cluster3, [1, 1, 1]),
+            "--no-tag-output", "python", str(script)]
+    assert interrupt_when_up(argv, 3, three_ranks_and_daemons) == 130
+    assert wait_until_empty(lambda: _job_procs(token, cluster3.gateway)) == []
 
 
 def test_smoke_passes_on_every_host(cluster3):
