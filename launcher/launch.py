@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shlex
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,22 @@ def mpich_ssh_wrapper(config: str) -> str:
     return str(path)
 
 
+def resolve_program(program, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The program with its command name made absolute from this shell's PATH.
+
+    Ranks must run the ``python`` the user's shell would run; Open MPI builds configured
+    with --enable-mpirun-prefix-by-default (Debian's, for one) put their prefix's bin/
+    first on the ranks' PATH, so a bare ``python3`` there became /usr/bin/python3 (seen on
+    Open MPI 4.1.6) instead of the virtual environment's. Hosts share paths, as MPI assumes.
+    """
+    program = tuple(program)
+    if program and os.sep not in program[0]:
+        found = shutil.which(program[0], path=environ.get("PATH"))
+        if found:
+            return (os.path.abspath(found),) + program[1:]
+    return program
+
+
 def _split_ifaces(value: str, flag: str) -> tuple[str, ...]:
     items = tuple(i.strip() for i in value.split(",") if i.strip())
     if not items:
@@ -133,7 +150,7 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
     tag = opts.tag_output if opts.tag_output is not None else (len(selection.hosts) > 1 and not local_only)
     wrapper = (sys.executable, "-S", RANKEXEC, "--") if opts.rank_wrapper else ()
     return cmd.LaunchSpec(
-        program=tuple(opts.program),
+        program=resolve_program(opts.program, environ),
         hosts=selection.hosts,
         np=np,
         host_source=selection.source,
