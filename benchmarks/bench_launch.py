@@ -39,7 +39,8 @@ def bare_mpirun_argv() -> list[str]:
     from launcher.command import build_command
     from launcher.launch import LaunchOptions, prepare
 
-    _, flavor, spec, _ = prepare(LaunchOptions(program=tuple(PROG), np=2, host_list="localhost:2", rank_wrapper=False))
+    opts = LaunchOptions(program=tuple(PROG), np=2, host_list="localhost:2", rank_wrapper=False)
+    _, flavor, spec, _ = prepare(opts, environ=env())  # resolve `python` as the dtrun runs do
     return build_command(spec, flavor)
 
 
