@@ -527,10 +527,14 @@ def _staged(comm, ctx: GpuContext, name: str, args: tuple, kwargs: dict) -> Any:
         _to_device(_Dev(dev, name, comm.rank), r)
         return dev
 
+    return _finish(result, back, (new_args, new_kwargs))
+
+
+def _finish(result: Any, back, keep) -> Any:
+    """Map a result back to the caller's array type, now or, for a Handle, when it completes."""
     if isinstance(result, Handle):
         inner = result
-        return Handle(inner, None, post=lambda _: back(inner.wait()),
-                      keep=(new_args, new_kwargs), op=inner.op)
+        return Handle(inner, None, post=lambda _: back(inner.wait()), keep=keep, op=inner.op)
     return back(result)
 
 
@@ -600,11 +604,7 @@ def _cuda_aware(comm, ctx: GpuContext, name: str, args: tuple, kwargs: dict) -> 
             return torch.as_tensor(r, device=f"cuda:{r.device.id}")
         return r
 
-    if isinstance(result, Handle):
-        inner = result
-        return Handle(inner, None, post=lambda _: back(inner.wait()),
-                      keep=(new_args, new_kwargs), op=inner.op)
-    return back(result)
+    return _finish(result, back, (new_args, new_kwargs))
 
 
 _CORE_SIGNATURES = {
