@@ -105,7 +105,7 @@ def _job_procs(token, gateway):
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         if (token in cmd and "mpi4py" in cmd) or ("prted" in cmd and gateway in cmd):
-            found.append((p.pid, cmd[:120]))
+            found.append((p.pid, cmd))
     return found
 
 
