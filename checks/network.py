@@ -74,6 +74,22 @@ def parse_sysfs(items: Sequence[Mapping]) -> list[Interface]:
     return out
 
 
+def local_interfaces():
+    """This host's interfaces, as the probe would report them."""
+    import subprocess
+
+    from checks.remote_probe import sysfs_interfaces
+
+    try:
+        out = subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True, timeout=5,
+                             stdin=subprocess.DEVNULL)
+        if out.returncode == 0:
+            return parse_ip_json(out.stdout)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return parse_sysfs(sysfs_interfaces())
+
+
 def interfaces_of(report: Mapping) -> list[Interface]:
     found = report.get("interfaces") or {}
     if found.get("source") == "ip":

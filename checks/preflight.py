@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -78,21 +77,6 @@ def write_cache(key: str, result: PreflightResult) -> None:
         pass  # a read-only cache costs the next launch another preflight
 
 
-def local_interfaces():
-    """This host's interfaces, as the probe would report them."""
-    from checks import network
-    from checks.remote_probe import sysfs_interfaces
-
-    try:
-        out = subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True, timeout=5,
-                             stdin=subprocess.DEVNULL)
-        if out.returncode == 0:
-            return network.parse_ip_json(out.stdout)
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return network.parse_sysfs(sysfs_interfaces())
-
-
 def check(hosts, ssh_config: Optional[str], timeout: float = TIMEOUT_S) -> PreflightResult:
     """SSH to every remote host and pick the shared subnet; never raises for a host's problem."""
     from checks import network, ssh
@@ -118,7 +102,7 @@ def check(hosts, ssh_config: Optional[str], timeout: float = TIMEOUT_S) -> Prefl
             conn.close()
     if findings or len(ifaces) < len(remote):
         return PreflightResult(tuple(findings))
-    mine = local_interfaces()
+    mine = network.local_interfaces()
     launcher = mine
     for h in hosts:
         if is_local(h.host):

@@ -130,18 +130,11 @@ def keyscan_cmd(
     raise typer.Exit(keyscan(KeyscanSpec(tuple(hosts or ()), host_list, hostfile, cluster, ssh_config, timeout, yes)))
 
 
-@sub_app.command("smoke", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-def smoke_cmd(ctx: typer.Context):
-    """dtrun smoke [LAUNCH OPTIONS] [-- SMOKE OPTIONS]: the collectives correctness test on every rank."""
-
-
-@sub_app.command("bench", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-def bench_cmd(ctx: typer.Context):
-    """dtrun bench [LAUNCH OPTIONS] [-- BENCH OPTIONS]: nccl-tests-style bandwidth of the collectives."""
-
-
 def _tool_argv(module: str, argv: list[str]) -> list[str]:
-    """``dtrun smoke OPTS -- TOOLARGS`` → ``dtrun OPTS -- python -m MODULE TOOLARGS``."""
+    """``dtrun smoke|bench OPTS -- TOOLARGS`` → ``dtrun OPTS -- python -m MODULE TOOLARGS``.
+
+    smoke and bench are the launch command with a fixed program, so they take its options.
+    """
     if "--" in argv:
         i = argv.index("--")
         opts, tool = argv[:i], argv[i + 1:]

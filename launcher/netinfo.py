@@ -45,18 +45,14 @@ def resolve_all(hosts: Sequence[str], timeout: float = RESOLVE_TIMEOUT_S) -> dic
 
 
 def local_networks() -> list[tuple[str, ipaddress.IPv4Network]]:
-    """(interface, network) for every IPv4 address of this machine that is up, except loopback."""
-    import psutil
+    """(interface, network) for every IPv4 address of this machine that is up, except loopback.
 
-    stats = psutil.net_if_stats()
-    nets = []
-    for name, addrs in psutil.net_if_addrs().items():
-        if name in stats and not stats[name].isup:
-            continue
-        for a in addrs:
-            if a.family == socket.AF_INET and a.netmask and not a.address.startswith("127."):
-                nets.append((name, ipaddress.ip_network(f"{a.address}/{a.netmask}", strict=False)))
-    return nets
+    Read the way doctor and the preflight read interfaces (``ip -j addr``, else sysfs).
+    """
+    from checks.network import local_interfaces
+
+    return [(i.name, n.network) for i in local_interfaces() if i.up and not i.loopback
+            for n in i.networks if not n.ip.is_loopback]
 
 
 def shared_subnet(addresses: Sequence[str], networks=None) -> Optional[SharedSubnet]:

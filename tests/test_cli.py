@@ -178,3 +178,13 @@ def test_program_name_resolves_on_the_launching_path(tmp_path):
     assert resolve_program(("mytool", "-x", "python"), env) == (str(exe), "-x", "python")
     assert resolve_program(("./rel/prog", "a"), env) == ("./rel/prog", "a")  # a path is left alone
     assert resolve_program(("not-on-path",), env) == ("not-on-path",)
+
+
+def test_value_options_match_the_launch_command():
+    """fold_mca must know every option that takes a value, or it misreads where PROGRAM starts."""
+    import typer.main
+    from launcher.cli import _VALUE_OPTIONS
+    command = typer.main.get_command(run_app)
+    taking_values = {name for p in command.params if getattr(p, "opts", None) and not getattr(p, "is_flag", False)
+                     and p.param_type_name == "option" and p.name != "mca" for name in p.opts}
+    assert taking_values == _VALUE_OPTIONS

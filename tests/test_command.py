@@ -192,3 +192,23 @@ def test_root_cause_first_whatever_the_arrival_order():
     assert order_failures([killed, failed]) == [failed, killed]
     assert order_failures([killed, segv, failed]) == [segv, failed, killed]
     assert order_failures([killed, failed, segv], reported_rank="1") == [segv, failed, killed]
+
+
+def test_shared_subnet_is_the_local_network_holding_every_host():
+    import ipaddress
+    from launcher.netinfo import shared_subnet
+    nets = [("docker0", ipaddress.ip_network("172.17.0.0/16")), ("eth0", ipaddress.ip_network("10.0.0.0/24")),
+            ("ib0", ipaddress.ip_network("10.1.0.0/16"))]
+    s = shared_subnet(["10.0.0.11", "10.0.0.12"], nets)
+    assert (s.iface, s.cidr) == ("eth0", "10.0.0.0/24")
+    assert shared_subnet(["10.1.3.4", "10.1.200.1"], nets).cidr == "10.1.0.0/16"
+    assert shared_subnet(["10.0.0.11", "10.1.0.1"], nets) is None  # no one network holds both
+    assert shared_subnet(["172.17.0.5"], nets) is None  # docker0 never counts
+    assert shared_subnet([], nets) is None
+
+
+def test_local_networks_lists_this_hosts_up_interfaces():
+    from launcher.netinfo import local_networks
+    nets = local_networks()
+    assert all(not n.network_address.is_loopback for _, n in nets)
+    assert all(isinstance(name, str) and name for name, _ in nets)
