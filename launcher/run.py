@@ -147,7 +147,8 @@ class _StderrPump(threading.Thread):
 
 def run_job(argv: Sequence[str], env: Optional[dict] = None) -> JobResult:
     """Run mpirun with ``argv`` and wait, handling Ctrl-C / SIGTERM. Never uses a shell."""
-    stdin = subprocess.DEVNULL if sys.stdin is None or (sys.stdin.isatty() if hasattr(sys.stdin, "isatty") else False) else None
+    # mpirun is in its own process group, so reading a terminal would stop it (SIGTTIN).
+    stdin = subprocess.DEVNULL if sys.stdin is None or sys.stdin.isatty() else None
     try:
         proc = subprocess.Popen(list(argv), stdin=stdin, stderr=subprocess.PIPE, env=env, start_new_session=True)
     except OSError as exc:
@@ -155,7 +156,7 @@ def run_job(argv: Sequence[str], env: Optional[dict] = None) -> JobResult:
     pump = _StderrPump(proc.stderr)
     pump.start()
 
-    state = {"interrupted": False, "stage": 0}
+    state = {"stage": 0}  # "signum": the first signal that interrupted dtrun
     lock = threading.Lock()
 
     def escalate():
@@ -169,7 +170,7 @@ def run_job(argv: Sequence[str], env: Optional[dict] = None) -> JobResult:
             elif stage == 1:
                 proc.send_signal(signal.SIGTERM)
             else:
-                os.killpg(proc.pid, signal.SIGKILL)
+                _kill_group(proc.pid)
         except (ProcessLookupError, PermissionError):
             pass
 
@@ -185,8 +186,7 @@ def run_job(argv: Sequence[str], env: Optional[dict] = None) -> JobResult:
         t.start()
 
     def on_signal(signum, _frame):
-        first = not state["interrupted"]
-        state["interrupted"] = True
+        first = "signum" not in state
         state.setdefault("signum", signum)
         escalate()
         if first:
@@ -199,19 +199,19 @@ def run_job(argv: Sequence[str], env: Optional[dict] = None) -> JobResult:
         for s, h in old.items():
             signal.signal(s, h)
     pump.join(timeout=5)
-    if state["interrupted"]:
-        _reap_group(proc.pid)
+    interrupted = "signum" in state
+    if interrupted:
+        _kill_group(proc.pid)  # nothing of the job's process group stays behind on this host
     failures = order_failures(pump.failures, pump.reported_rank())
-    if not failures and proc.returncode != 0 and not state["interrupted"]:
+    if not failures and proc.returncode != 0 and not interrupted:
         fb = pump.fallback_failure()
         if fb:
             failures.append(fb)
-    rc = exit_code_for(proc.returncode, failures, state["interrupted"], state.get("signum", signal.SIGINT))
-    return JobResult(rc, proc.returncode, failures, state["interrupted"])
+    rc = exit_code_for(proc.returncode, failures, interrupted, state.get("signum", signal.SIGINT))
+    return JobResult(rc, proc.returncode, failures, interrupted)
 
 
-def _reap_group(pgid: int) -> None:
-    """After an interrupt, make sure nothing of the job's process group is left on this host."""
+def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
