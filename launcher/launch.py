@@ -45,6 +45,11 @@ class LaunchOptions:
     dry_run: bool = False
     rank_wrapper: bool = True
     preflight: bool = True  # check ssh and choose interfaces before a multi-host launch (checks/preflight.py)
+    verbose: bool = False  # print the decisions (the --dry-run text) on stderr before launching
+    # Set by the preflight, never from the command line: the interface choice and where it came from.
+    iface_reason: Optional[str] = None
+    nccl_socket_ifname: Optional[str] = None
+    run_id: Optional[str] = None  # --log-dir: this run's subdirectory (default: time and pid)
 
 
 def warn(msg: str) -> None:
@@ -119,6 +124,25 @@ def _split_ifaces(value: str, flag: str) -> tuple[str, ...]:
     return items
 
 
+def exclusions(user: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+    """--exclude-iface adds to dtrun's default (lo, docker0); it never replaces it.
+
+    Open MPI's btl_tcp_if_exclude replaces Open MPI's own default (which holds lo), and
+    NCCL's '^' list excludes only what it names: without lo, both may pick loopback.
+    """
+    merged = tuple(dict.fromkeys(cmd.DEFAULT_EXCLUDE + tuple(user)))
+    added = [i for i in merged if i not in cmd.DEFAULT_EXCLUDE]
+    return merged, f"{', '.join(added) or 'nothing new'} from --exclude-iface, added to dtrun's default {','.join(cmd.DEFAULT_EXCLUDE)}"
+
+
+def new_run_id(now: Optional[float] = None, pid: Optional[int] = None) -> str:
+    """The subdirectory of --log-dir for one run: start time and dtrun's pid (sorts by time)."""
+    import time
+
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return f"{stamp}-{os.getpid() if pid is None else pid}"
+
+
 def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
               environ: Mapping[str, str]) -> cmd.LaunchSpec:
     """Settle every choice the command line depends on (pure apart from writing ssh configs)."""
@@ -132,17 +156,19 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
     if opts.include_iface and opts.exclude_iface:
         raise UsageError("--include-iface and --exclude-iface cannot be used together (Open MPI rejects both at once)")
     if opts.include_iface:
-        include, reason = _split_ifaces(opts.include_iface, "--include-iface"), "--include-iface"
+        include = _split_ifaces(opts.include_iface, "--include-iface")
+        reason = opts.iface_reason or "--include-iface"
         local_only = False
     elif opts.exclude_iface:
-        exclude, reason = _split_ifaces(opts.exclude_iface, "--exclude-iface"), "--exclude-iface"
+        exclude, reason = exclusions(_split_ifaces(opts.exclude_iface, "--exclude-iface"))
         local_only = False
     elif not local_only and flavor.is_openmpi:
         from launcher.netinfo import infer_shared_subnet
 
         shared = infer_shared_subnet([h.host for h in selection.hosts if not is_local(h.host)])
         if shared is not None:
-            include, reason = (shared.cidr,), f"the subnet of {shared.iface} reaches every host"
+            include, reason = (shared.cidr,), (f"the subnet of {shared.iface} routes to every host, "
+                                               "inferred on this machine (no preflight)")
     base_ssh = opts.ssh_config or environ.get("DTRUN_SSH_CONFIG") or selection.ssh_config
     if base_ssh and not os.path.isfile(base_ssh):
         raise UsageError(f"ssh config {base_ssh}: no such file")
@@ -164,8 +190,9 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
         mca=tuple(opts.mca),
         mpi_args=tuple(shlex.split(opts.mpi_args)) if opts.mpi_args else (),
         tag_output=tag,
-        log_dir=os.path.abspath(opts.log_dir) if opts.log_dir else None,
+        log_dir=os.path.join(os.path.abspath(opts.log_dir), opts.run_id or new_run_id()) if opts.log_dir else None,
         nccl_debug=opts.nccl_debug,
+        nccl_socket_ifname=opts.nccl_socket_ifname if include else None,
         no_tree_spawn=opts.no_tree_spawn,
         ssh_config=ssh_config,
         ssh_wrapper=mpich_ssh_wrapper(ssh_config) if ssh_config and not flavor.is_openmpi else None,
@@ -175,13 +202,17 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
 
 
 def prepare(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None):
-    """Resolve hosts and flavor and build the spec and the argument groups."""
+    """Resolve hosts and flavor, run the preflight, build the spec and the argument groups.
+
+    A dry run goes through the same steps (the preflight included), so it prints the
+    command a real launch of the same arguments would run.
+    """
     environ = os.environ if environ is None else environ
     selection = resolve_hosts(opts.host_list, opts.hostfile, opts.cluster, opts.include, opts.exclude, environ)
     for w in selection.warnings:
         warn(w)
     flavor = detect_flavor(find_mpirun(opts.mpirun, environ))
-    if opts.preflight and not opts.dry_run and not all_local(selection.hosts):
+    if opts.preflight and not all_local(selection.hosts):
         from checks.preflight import preflight
 
         opts = preflight(opts, selection, flavor, environ)  # raises PreflightError on a known hang
@@ -192,17 +223,45 @@ def prepare(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None):
     return selection, flavor, spec, cmd.build_groups(spec, flavor)
 
 
+def describe(opts: LaunchOptions, selection, flavor: Flavor, spec: cmd.LaunchSpec, groups) -> str:
+    """The --dry-run / --verbose text: what runs, each flag with its reason."""
+    hosts = len(selection.hosts)
+    header = (f"{flavor.label} ({flavor.mpirun}); {spec.np} ranks on {hosts} host{'s' if hosts != 1 else ''} "
+              f"from {selection.source}")
+    if spec.local_only:
+        header += "; every host is this machine, so no interface flags"
+    elif not opts.preflight:
+        header += "; --no-preflight: interfaces not checked on the hosts"
+    if spec.log_dir:
+        header += f"; rank logs in {spec.log_dir}"
+    return cmd.format_dry_run(groups, header)
+
+
+def start_log_dir(log_dir: str) -> None:
+    """Create this run's log directory and point DIR/latest at it (best effort for the link)."""
+    os.makedirs(log_dir, exist_ok=True)
+    latest = os.path.join(os.path.dirname(log_dir), "latest")
+    try:
+        tmp = f"{latest}.{os.getpid()}"
+        os.symlink(os.path.basename(log_dir), tmp)
+        os.replace(tmp, latest)
+    except OSError:
+        pass  # a file system without symlinks: the run's own directory is still there
+
+
 def launch(opts: LaunchOptions) -> int:
     """Run (or with --dry-run, print) the job; return dtrun's exit code."""
     selection, flavor, spec, groups = prepare(opts)
     if opts.dry_run:
-        hosts = len(selection.hosts)
-        header = (f"{flavor.label} ({flavor.mpirun}); {spec.np} ranks on {hosts} host{'s' if hosts != 1 else ''} "
-                  f"from {selection.source}")
-        print(cmd.format_dry_run(groups, header))
+        print(describe(opts, selection, flavor, spec, groups))
         return ExitCode.OK
+    if opts.verbose:
+        print("\n".join(f"dtrun: {line}" for line in describe(opts, selection, flavor, spec, groups).splitlines()),
+              file=sys.stderr, flush=True)
     from launcher.run import failure_summary, run_job
 
+    if spec.log_dir:
+        start_log_dir(spec.log_dir)
     argv = [a for g in groups for a in g.args]
     result = run_job(argv)
     if result.returncode != 0:

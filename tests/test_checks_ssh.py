@@ -131,11 +131,12 @@ def test_preflight_apply_respects_the_users_choice():
     res = preflight.PreflightResult((), "10.0.0.0/24", "=eth0")
     base = LaunchOptions(program=("x",))
     got = preflight.apply(base, res, {})
-    assert got.include_iface == "10.0.0.0/24" and got.env == ("NCCL_SOCKET_IFNAME==eth0",)
+    assert got.include_iface == "10.0.0.0/24" and got.nccl_socket_ifname == "=eth0" and got.env == ()
+    assert got.iface_reason == "subnet 10.0.0.0/24 shared by all hosts, found by the preflight"
     mine = preflight.apply(LaunchOptions(program=("x",), exclude_iface="lo,docker0"), res, {})
-    assert mine.include_iface is None and mine.env == ()
+    assert mine.include_iface is None and mine.nccl_socket_ifname is None and mine.iface_reason is None
     nccl = preflight.apply(base, res, {"NCCL_SOCKET_IFNAME": "ib0"})
-    assert nccl.include_iface == "10.0.0.0/24" and nccl.env == ()
+    assert nccl.include_iface == "10.0.0.0/24" and nccl.nccl_socket_ifname is None
 
 
 def test_preflight_cache_expires(tmp_path, monkeypatch):

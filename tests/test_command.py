@@ -212,3 +212,21 @@ def test_local_networks_lists_this_hosts_up_interfaces():
     nets = local_networks()
     assert all(not n.network_address.is_loopback for _, n in nets)
     assert all(isinstance(name, str) and name for name, _ in nets)
+
+
+def test_exclude_iface_adds_to_the_default_never_replaces_it():
+    from launcher.launch import exclusions
+    merged, why = exclusions(("docker0",))
+    assert merged == ("lo", "docker0") and "nothing new" in why
+    merged, why = exclusions(("eth9", "lo", "ib1"))
+    assert merged == ("lo", "docker0", "eth9", "ib1")
+    assert why == "eth9, ib1 from --exclude-iface, added to dtrun's default lo,docker0"
+    text = line(build_command(spec(exclude_iface=merged, iface_reason=why), OMPI4))
+    assert "--mca btl_tcp_if_exclude lo,docker0,eth9,ib1 --mca oob_tcp_if_exclude lo,docker0,eth9,ib1" in text
+    assert "NCCL_SOCKET_IFNAME=^lo,docker0,eth9,ib1" in text
+
+
+def test_log_dir_run_id_sorts_by_time_and_names_the_process():
+    from launcher.launch import new_run_id
+    assert new_run_id(now=0, pid=42).endswith("-42")
+    assert new_run_id(now=1e9, pid=1) < new_run_id(now=2e9, pid=1)

@@ -58,13 +58,23 @@ def test_rank_killed_by_signal_never_exits_zero():
     assert "killed by SIGKILL" in p.stderr
 
 
-def test_log_dir_writes_one_file_per_rank(tmp_path):
-    p = dtrun("-np", "2", "--log-dir", tmp_path / "logs", "python", "-c",
-              "import os; print('hello from', os.environ['DTRUN_RANK'])")
-    assert p.returncode == 0, p.stderr
-    assert sorted(os.listdir(tmp_path / "logs")) == ["rank.0.log", "rank.1.log"]
-    assert (tmp_path / "logs" / "rank.1.log").read_text().strip() == "hello from 1"
-    assert "hello from" not in p.stdout
+def test_log_dir_gives_each_run_its_own_files(tmp_path):
+    """Like torchrun's per-attempt directories: DIR/<run>/rank.N.log, DIR/latest -> the newest run."""
+    logs = tmp_path / "logs"
+    runs = []
+    for word in ("first", "second"):
+        p = dtrun("-np", "2", "--log-dir", logs, "python", "-c",
+                  f"import os; print('{word} from', os.environ['DTRUN_RANK'])")
+        assert p.returncode == 0, p.stderr
+        assert "from" not in p.stdout
+        new = sorted(set(os.listdir(logs)) - {"latest"} - set(runs))
+        assert len(new) == 1, new  # one new directory per run
+        runs += new
+    first, second = logs / runs[0], logs / runs[1]
+    assert sorted(os.listdir(first)) == sorted(os.listdir(second)) == ["rank.0.log", "rank.1.log"]
+    assert (first / "rank.1.log").read_text().strip() == "first from 1"
+    assert (second / "rank.1.log").read_text().strip() == "second from 1"  # nothing of the first run
+    assert os.readlink(logs / "latest") == second.name
 
 
 def _job_processes(token):
@@ -106,6 +116,7 @@ def _other_flavor(path, version_word):
         pytest.skip(f"{path} is not the expected flavor: {out.splitlines()[:1]}")
 
 
+@pytest.mark.flavor
 @pytest.mark.parametrize("path, word, header", [(OMPI4, "4.", "# Open MPI 4."), (HYDRA, "HYDRA", "# MPICH (Hydra)")])
 def test_same_launch_with_system_mpi(path, word, header):
     _other_flavor(path, word)

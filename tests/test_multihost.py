@@ -96,6 +96,25 @@ def test_docker0_everywhere_default_flags_finish_bare_mpirun_does_not(make_clust
     print(f"bare mpirun across docker0 hosts: {outcome}")
 
 
+def test_dry_run_prints_what_the_real_launch_runs(cluster3):
+    """--dry-run goes through the preflight too, so its command is the one a launch runs
+    (shown by --verbose at launch), and each interface flag names the preflight as its source."""
+    hl = host_list(cluster3, [1, 1, 1])
+    dry = run_on(cluster3, "--dry-run", "-H", hl, "python", "-c", HELLO)
+    assert dry.returncode == 0, dry.stderr
+    real = run_on(cluster3, "--verbose", "-H", hl, "python", "-c", HELLO)
+    assert real.returncode == 0, real.stderr
+    assert len(rank_lines(real.stdout)) == 3
+    shown = [line[len("dtrun: "):] for line in real.stderr.splitlines() if line.startswith("dtrun: ")]
+    assert shown == dry.stdout.splitlines()
+    include = [line for line in dry.stdout.splitlines() if "btl_tcp_if_include" in line]
+    assert include and f"btl_tcp_if_include {cluster3.subnet}" in include[0]
+    assert f"subnet {cluster3.subnet} shared by all hosts, found by the preflight" in include[0]
+    nccl = [line for line in dry.stdout.splitlines() if "NCCL_SOCKET_IFNAME" in line]
+    assert nccl and "found by the preflight" in nccl[0], dry.stdout
+    assert "--include-iface" not in dry.stdout
+
+
 def _job_procs(token, gateway):
     """Rank processes (by a token in their command line) and this cluster's prted daemons."""
     found = []
