@@ -53,20 +53,24 @@ def parse_size(text: str) -> int:
     return int(float(t) * mult)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m collectives.bench",
-                                description="Collective bandwidth/latency, nccl-tests style.")
-    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"))
-    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"))
-    p.add_argument("-f", "--stepfactor", type=int, default=2)
-    p.add_argument("-w", "--warmup_iters", type=int, default=5)
-    p.add_argument("-n", "--iters", type=int, default=20)
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's options (``dtrun bench --help`` shows them, and routes them here)."""
+    p = argparse.ArgumentParser(
+        prog="python -m collectives.bench",
+        description="Time collectives over a range of sizes and print size, time, algbw and busbw "
+                    "(GB/s) per size, as nccl-tests does, with a check of the results (#wrong). "
+                    "Sizes go from -b to -e, multiplied by -f each step.")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"), help="smallest size (8, 1K, 64M, 1G; default 8)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"), help="largest size (default 64M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=2, help="multiply the size by this each step (default 2)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed iterations per size (default 5)")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default 20)")
     p.add_argument("-o", "--op", default="allreduce",
                    choices=COLLECTIVES + ("all", "grouped"),
                    help="collective to time (nccl-tests: one binary each)")
-    p.add_argument("--redop", default="sum", choices=("sum", "prod", "min", "max", "avg"))
-    p.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPE_NAMES))
-    p.add_argument("-r", "--root", type=int, default=0)
+    p.add_argument("--redop", default="sum", choices=("sum", "prod", "min", "max", "avg"), help="reduction op (default sum)")
+    p.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPE_NAMES), help="element type (default float)")
+    p.add_argument("-r", "--root", type=int, default=0, help="root rank of broadcast and reduce (default 0)")
     p.add_argument("-c", "--check", type=int, default=1, help="1: count wrong values")
     p.add_argument("--baseline", action="store_true",
                    help="also time raw mpi4py on the same buffers; print the ratio")
@@ -74,6 +78,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="alternate ours/raw this many times, keep each one's best")
     p.add_argument("--tensors", type=int, default=256, help="arrays for -o grouped")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.stepfactor < 2:
         p.error("-f/--stepfactor must be >= 2")

@@ -42,9 +42,14 @@ class SmokeExit(IntEnum):
     HANG = 3
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m collectives.smoke",
-                                description="Check every collective on every rank.")
+def build_parser() -> argparse.ArgumentParser:
+    """The smoke test's options (``dtrun smoke --help`` shows them, and routes them here)."""
+    p = argparse.ArgumentParser(
+        prog="python -m collectives.smoke",
+        description="Check every collective on every rank: each operation, dtype and size is run with "
+                    "exact small-integer inputs and compared bit for bit; rank 0 prints one table. "
+                    "A collective that does not finish within --timeout is reported as a hang. "
+                    "Exit codes: 0 all right, 1 a wrong value, 2 bad usage, 3 a hang.")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds one collective may take before it counts as a hang")
     p.add_argument("--json", action="store_true", help="print machine-readable results")
@@ -54,6 +59,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtypes", default="all", help=f"subset of: {', '.join(DTYPES)}")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)),
                    help="element counts per rank, comma-separated")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     args.ops = list(OPS) if args.ops == "all" else [o.strip() for o in args.ops.split(",")]
     unknown = [o for o in args.ops if o not in OPS]

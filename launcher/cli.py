@@ -6,6 +6,7 @@ import what they need (rich, paramiko, mpi4py) when they run.
 """
 from __future__ import annotations
 
+import re
 import sys
 from typing import List, Optional
 
@@ -13,7 +14,7 @@ import typer
 
 from launcher.errors import DtrunError, ExitCode, UsageError
 
-SUBCOMMANDS = ("hosts", "smoke", "bench", "doctor", "keyscan")
+SUBCOMMANDS = ("hosts", "smoke", "bench", "doctor", "keyscan", "completion")
 _state = {"traceback": False}
 
 run_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
@@ -28,10 +29,17 @@ _EXCLUDE = typer.Option([], "--exclude", help="Leave out these hosts (comma-sepa
 _SSH_CONFIG = typer.Option(None, "--ssh-config", help="ssh config file for reaching the hosts (also $DTRUN_SSH_CONFIG).")
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        from launcher.version import version_text
+
+        print(version_text())
+        raise typer.Exit(0)
+
+
 @run_app.command(
-    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True,
-                      "help_option_names": ["-h", "--help"]},
-    epilog="Subcommands: dtrun hosts | smoke | bench | doctor | keyscan (each with --help).",
+    context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
+    epilog="Subcommands: dtrun hosts | smoke | bench | doctor | keyscan | completion (each with --help).",
 )
 def run(
     program: List[str] = typer.Argument(None, help="The program and its arguments (never parsed by dtrun).",
@@ -56,7 +64,10 @@ def run(
     ssh_config: Optional[str] = _SSH_CONFIG,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the mpirun command with the reason for each flag; run nothing."),
     no_preflight: bool = typer.Option(False, "--no-preflight", help="Skip the check of ssh and interfaces before a multi-host launch."),
+    verbose: bool = typer.Option(False, "--verbose", help="Before launching, print what dtrun decided and why (the --dry-run text, on stderr)."),
     traceback: bool = typer.Option(False, "--traceback", help="Show the Python traceback of an error."),
+    version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
+                                 help="Print dtrun's version and the MPI it would use, then exit."),
 ):
     """Launch PROGRAM on the hosts with mpirun, with the flags experienced users add by hand."""
     _state["traceback"] = traceback
@@ -65,12 +76,19 @@ def run(
     opts = LaunchOptions(
         program=tuple(program or ()), np=np, host_list=host_list, hostfile=hostfile, cluster=cluster,
         include=tuple(include), exclude=tuple(exclude), oversubscribe=oversubscribe,
-        include_iface=include_iface, exclude_iface=exclude_iface, env=tuple(env), mca=tuple(tuple(m.split("=", 1)) for m in mca),
+        include_iface=include_iface, exclude_iface=exclude_iface, env=tuple(env), mca=tuple(_mca_pair(m) for m in mca),
         mpi_args=mpi_args, tag_output=tag_output, log_dir=log_dir, nccl_debug=nccl_debug,
         no_tree_spawn=no_tree_spawn, mpirun=mpirun, ssh_config=ssh_config, dry_run=dry_run,
-        preflight=not no_preflight,
+        preflight=not no_preflight, verbose=verbose,
     )
     raise typer.Exit(launch(opts))
+
+
+def _mca_pair(item: str) -> tuple[str, str]:
+    key, eq, value = item.partition("=")
+    if not eq or not _MCA_KEY.match(key) or not value:
+        raise UsageError(f"--mca {item!r}: write --mca KEY VALUE")
+    return key, value
 
 
 @sub_app.command("hosts")
@@ -130,46 +148,162 @@ def keyscan_cmd(
     raise typer.Exit(keyscan(KeyscanSpec(tuple(hosts or ()), host_list, hostfile, cluster, ssh_config, timeout, yes)))
 
 
-def _tool_argv(module: str, argv: list[str]) -> list[str]:
-    """``dtrun smoke|bench OPTS -- TOOLARGS`` → ``dtrun OPTS -- python -m MODULE TOOLARGS``.
+# Options that take more than one value. click options take one; dtrun folds
+# ``--mca KEY VALUE`` (mpirun's spelling) into ``--mca KEY=VALUE`` before click sees it.
+_MULTI_VALUE = {"--mca": 2}
+_MCA_KEY = re.compile(r"^[A-Za-z0-9_]+$")
 
-    smoke and bench are the launch command with a fixed program, so they take its options.
+
+def option_table(command) -> dict[str, int]:
+    """Every option name of a click command (help included) -> how many values it takes.
+
+    Derived from the command itself, so an option added to a typer command is known
+    to the pass-through logic without a second list to keep.
     """
-    if "--" in argv:
-        i = argv.index("--")
-        opts, tool = argv[:i], argv[i + 1:]
+    table: dict[str, int] = {}
+    for p in command.params:
+        if getattr(p, "param_type_name", "") != "option":
+            continue
+        n = 0 if (p.is_flag or p.count) else p.nargs
+        for name in p.opts:
+            table[name] = _MULTI_VALUE.get(name, n)
+        for name in p.secondary_opts:  # --no-tag-output and the like
+            table[name] = 0
+    for name in (command.context_settings or {}).get("help_option_names", ["--help"]):
+        table[name] = 0
+    return table
+
+
+def no_such_option(name: str, known) -> UsageError:
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return UsageError(f"no such option {name}{hint}")
+
+
+def take_option(argv: list[str], i: int, table: dict[str, int]) -> tuple[list[str], int]:
+    """Read the option at ``argv[i]`` with its values; return (normalised args, next index).
+
+    ``--name=value`` and ``--name value`` both work; a missing, empty or ``--`` value is
+    a usage error, so an option never swallows the ``--`` that starts the program.
+    """
+    a = argv[i]
+    name, eq, inline = a.partition("=") if a.startswith("--") else (a, "", "")
+    n = table.get(name)
+    if n is None:
+        raise no_such_option(name, table)
+    if n == 0:
+        if eq:
+            raise UsageError(f"{name} takes no value (got {a!r})")
+        return [name], i + 1
+    if eq:
+        if n > 1:
+            raise UsageError(f"{name} takes {n} values: {name} {_metavar(name)} (got {a!r})")
+        values, nxt = [inline], i + 1
     else:
-        opts, tool = argv, []
-    if any(a in ("-h", "--help") for a in opts):
-        return ["--help"]
-    return opts + ["--", sys.executable, "-m", module] + tool
+        values, nxt = argv[i + 1:i + 1 + n], i + 1 + n
+    if len(values) < n or any(v == "--" for v in values):
+        raise UsageError(f"{name} needs {'a value' if n == 1 else _metavar(name)}"
+                         + (" before --" if "--" in values else ""))
+    if any(v == "" for v in values):
+        raise UsageError(f"{name}: empty value")
+    if name == "--mca":
+        key, value = values
+        if not _MCA_KEY.match(key):
+            raise UsageError(f"--mca {key!r}: not an MCA parameter name (letters, digits, _): --mca KEY VALUE")
+        return [name, f"{key}={value}"], nxt
+    return [name, *values], nxt
 
 
-# Options of the launch command that take a value: needed to find where PROGRAM starts.
-_VALUE_OPTIONS = {"-np", "-n", "--np", "-H", "--host", "--hostfile", "-f", "--cluster", "--include",
-                  "--exclude", "--include-iface", "--exclude-iface", "-x", "--mpi-args", "--log-dir",
-                  "--nccl-debug", "--mpirun", "--ssh-config"}
+def _metavar(name: str) -> str:
+    return "KEY VALUE" if name == "--mca" else "VALUE"
 
 
-def fold_mca(argv: list[str]) -> list[str]:
-    """Turn ``--mca KEY VALUE`` (mpirun's spelling) into ``--mca KEY=VALUE`` before PROGRAM."""
-    out, i = [], 0
+def split_launch_argv(argv: list[str], table: dict[str, int]) -> tuple[list[str], list[str]]:
+    """dtrun's own options, and PROGRAM with its arguments (never parsed by dtrun).
+
+    PROGRAM starts at the first word that is not an option or an option's value, or
+    after ``--``. An unknown option before it is an error, not a program.
+    """
+    opts, i = [], 0
     while i < len(argv):
         a = argv[i]
-        if a == "--" or not a.startswith("-"):
-            return out + argv[i:]
-        if a == "--mca":
-            if i + 2 >= len(argv) or not argv[i + 1] or "=" in argv[i + 1]:
-                raise UsageError("--mca needs two values: --mca KEY VALUE")
-            out += ["--mca", f"{argv[i + 1]}={argv[i + 2]}"]
-            i += 3
-            continue
-        out.append(a)
-        if a in _VALUE_OPTIONS:
-            out += argv[i + 1:i + 2]
-            i += 1
-        i += 1
-    return out
+        if a == "--":
+            return opts, argv[i + 1:]
+        if not a.startswith("-") or a == "-":
+            return opts, argv[i:]
+        taken, i = take_option(argv, i, table)
+        opts += taken
+    return opts, []
+
+
+_LAUNCH_TABLE: dict = {}
+
+
+def launch_table() -> dict[str, int]:
+    if not _LAUNCH_TABLE:
+        import typer.main
+
+        _LAUNCH_TABLE.update(option_table(typer.main.get_command(run_app)))
+    return _LAUNCH_TABLE
+
+
+def launch_argv(argv: list[str]) -> list[str]:
+    """The arguments for the launch command: its options, ``--``, then PROGRAM."""
+    opts, program = split_launch_argv(argv, launch_table())
+    return opts + ["--"] + program if program else opts
+
+
+COMPLETE_VAR = "_DTRUN_COMPLETE"
+_SHELLS = ("bash", "zsh", "fish")
+
+
+@sub_app.command("completion")
+def completion_cmd(
+    shell: Optional[str] = typer.Argument(None, help="bash, zsh or fish (default: from $SHELL)."),
+    install: bool = typer.Option(False, "--install", help="Add it to the shell's start-up files instead of printing it."),
+):
+    """Print (or --install) the shell completion script for dtrun.
+
+    bash: eval "$(dtrun completion bash)" in ~/.bashrc, or dtrun completion --install.
+    """
+    import os
+
+    shell = shell or os.path.basename(os.environ.get("SHELL", ""))
+    if shell not in _SHELLS:
+        raise UsageError(f"completion: unknown shell {shell!r}; choose one of {', '.join(_SHELLS)}")
+    from typer import _completion_shared as shared
+
+    if install:
+        path = shared.install(shell=shell, prog_name="dtrun", complete_var=COMPLETE_VAR)[1]
+        print(f"dtrun: {shell} completion installed in {path}; open a new shell to use it")
+    else:
+        print(shared.get_completion_script(prog_name="dtrun", complete_var=COMPLETE_VAR, shell=shell))
+
+
+def _complete(instruction: str) -> int:
+    """Answer the shell's completion request: subcommand names and options, or the launch options."""
+    import typer.main
+    from typer import _completion_classes
+    from typer._click.shell_completion import CompletionItem, get_completion_class
+
+    _completion_classes.completion_init()
+    cls = get_completion_class(instruction.partition("_")[2])
+    if cls is None:
+        return ExitCode.USAGE
+    launch = typer.main.get_command(run_app)
+    subs = typer.main.get_command(sub_app)
+    args, incomplete = cls(launch, {}, "dtrun", COMPLETE_VAR).get_completion_args()
+    if args and args[0] in SUBCOMMANDS:
+        tool = args[0] in ("smoke", "bench")
+        print(cls(launch if tool else subs, {}, "dtrun", COMPLETE_VAR).complete())
+    elif not args and not incomplete.startswith("-"):
+        comp = cls(subs, {}, "dtrun", COMPLETE_VAR)
+        print("\n".join(comp.format_completion(CompletionItem(n)) for n in SUBCOMMANDS if n.startswith(incomplete)))
+    else:
+        print(cls(launch, {}, "dtrun", COMPLETE_VAR).complete())
+    return ExitCode.OK
 
 
 def _invoke(app: typer.Typer, argv: list[str], prog: str) -> int:
@@ -188,15 +322,21 @@ def _invoke(app: typer.Typer, argv: list[str], prog: str) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    import os
+
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv and argv[0] in ("smoke", "bench"):
-            module = "collectives.smoke" if argv[0] == "smoke" else "collectives.bench"
-            code = _invoke(run_app, fold_mca(_tool_argv(module, argv[1:])), f"dtrun {argv[0]}")
+        if os.environ.get(COMPLETE_VAR):
+            code = _complete(os.environ[COMPLETE_VAR])
+        elif argv and argv[0] in ("smoke", "bench"):
+            from launcher.toolargs import tool_launch_argv
+
+            tool_argv = tool_launch_argv(argv[0], argv[1:], launch_table())
+            code = ExitCode.OK if tool_argv is None else _invoke(run_app, tool_argv, f"dtrun {argv[0]}")
         elif argv and argv[0] in SUBCOMMANDS:
             code = _invoke(sub_app, argv, "dtrun")
         else:
-            code = _invoke(run_app, fold_mca(argv), "dtrun")
+            code = _invoke(run_app, launch_argv(argv), "dtrun")
     except DtrunError as exc:
         if _state["traceback"]:
             raise

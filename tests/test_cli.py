@@ -5,7 +5,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from launcher.cli import fold_mca, run_app, sub_app
+from launcher.cli import run_app, split_launch_argv, sub_app
 from tests.dtrun_helpers import DTRUN, REPO, dtrun
 
 
@@ -113,9 +113,11 @@ def test_hosts_json_and_table():
     assert t.returncode == 0 and "server4" in t.stdout and "2222" in t.stdout and "ops" in t.stdout
 
 
-def test_fold_mca_only_before_program():
-    assert fold_mca(["--mca", "a", "b", "-x", "--mca", "prog", "--mca", "c", "d"]) == \
-        ["--mca", "a=b", "-x", "--mca", "prog", "--mca", "c", "d"]
+def test_mca_is_folded_only_before_the_program():
+    from launcher.cli import launch_table
+    opts, program = split_launch_argv(["--mca", "a", "b", "-x", "--mca", "prog", "--mca", "c", "d"], launch_table())
+    assert opts == ["--mca", "a=b", "-x", "--mca"]
+    assert program == ["prog", "--mca", "c", "d"]
 
 
 def test_clirunner_help_lists_options_and_subcommands():
@@ -140,7 +142,7 @@ def test_dtrun_script_does_not_import_heavy_modules():
 
 def test_cluster_file_ssh_settings_reach_the_launcher(tmp_path):
     from tests.dtrun_helpers import user_env
-    p = dtrun("--dry-run", "--cluster", "hostfiles/cluster.yaml", "true", env=user_env(XDG_CACHE_HOME=str(tmp_path)))
+    p = dtrun("--dry-run", "--no-preflight", "--cluster", "hostfiles/cluster.yaml", "true", env=user_env(XDG_CACHE_HOME=str(tmp_path)))
     assert p.returncode == 0, p.stderr
     m = [l for l in p.stdout.splitlines() if "plm_ssh_args" in l]
     assert m, p.stdout
@@ -153,7 +155,7 @@ def test_cluster_file_ssh_settings_reach_the_launcher(tmp_path):
 def test_slurm_allocation_is_used_without_host_options():
     from tests.dtrun_helpers import user_env
     env = user_env(SLURM_JOB_NODELIST="node[01-02,07]", SLURM_TASKS_PER_NODE="4(x2),2")
-    p = dtrun("--dry-run", "true", env=env)
+    p = dtrun("--dry-run", "--no-preflight", "true", env=env)
     assert p.returncode == 0, p.stderr
     assert "-np 10" in p.stdout and "-H node01:4,node02:4,node07:2" in p.stdout
     assert "from Slurm allocation" in p.stdout
@@ -162,10 +164,10 @@ def test_slurm_allocation_is_used_without_host_options():
 def test_many_hosts_warn_about_tree_spawn(tmp_path):
     hf = tmp_path / "hosts"
     hf.write_text("".join(f"10.9.{i // 250}.{i % 250 + 1} slots=1\n" for i in range(70)))
-    p = dtrun("--dry-run", "--hostfile", hf, "true")
+    p = dtrun("--dry-run", "--no-preflight", "--hostfile", hf, "true")
     assert p.returncode == 0
     assert "70 hosts: Open MPI spawns daemons through a tree" in p.stderr and "--no-tree-spawn" in p.stderr
-    p = dtrun("--dry-run", "--hostfile", hf, "--no-tree-spawn", "true")
+    p = dtrun("--dry-run", "--no-preflight", "--hostfile", hf, "--no-tree-spawn", "true")
     assert "--prtemca plm_ssh_no_tree_spawn 1" in p.stdout and "tree" not in p.stderr
 
 
@@ -180,11 +182,24 @@ def test_program_name_resolves_on_the_launching_path(tmp_path):
     assert resolve_program(("not-on-path",), env) == ("not-on-path",)
 
 
-def test_value_options_match_the_launch_command():
-    """fold_mca must know every option that takes a value, or it misreads where PROGRAM starts."""
+def test_a_new_option_is_known_to_the_pass_through_without_a_second_list():
+    """The value-taking options come from the typer command itself: an option added there
+    (by any engineer, with any name) splits PROGRAM correctly with no other change."""
+    from typing import Optional
+    import typer
     import typer.main
-    from launcher.cli import _VALUE_OPTIONS
-    command = typer.main.get_command(run_app)
-    taking_values = {name for p in command.params if getattr(p, "opts", None) and not getattr(p, "is_flag", False)
-                     and p.param_type_name == "option" and p.name != "mca" for name in p.opts}
-    assert taking_values == _VALUE_OPTIONS
+    from launcher.cli import option_table
+
+    app = typer.Typer(add_completion=False)
+
+    @app.command(context_settings={"help_option_names": ["-h", "--help"]})
+    def cmd(program: list[str] = typer.Argument(None),
+            brand_new: Optional[str] = typer.Option(None, "--brand-new", "-B"),
+            flag: bool = typer.Option(False, "--flag"),
+            mca: list[str] = typer.Option([], "--mca")):
+        pass
+
+    table = option_table(typer.main.get_command(app))
+    assert table == {"--brand-new": 1, "-B": 1, "--flag": 0, "--mca": 2, "-h": 0, "--help": 0}
+    assert split_launch_argv(["-B", "v", "--flag", "prog", "-B", "x"], table) == (["-B", "v", "--flag"], ["prog", "-B", "x"])
+    assert split_launch_argv(["--brand-new=v", "--", "--prog"], table) == (["--brand-new", "v"], ["--prog"])
