@@ -1,25 +1,38 @@
 # dtrun: `make demo` runs the demo job on localhost, `make test` runs the test suite.
 # Both set up the virtual environment first (Python, the packages, Open MPI from PyPI).
+# `make test` also installs the system packages the multi-host tests need (.ci/packages)
+# when run as root; otherwise it prints the command that would, and those tests skip.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dtrun-installed
 N ?= 3
 
-.PHONY: setup demo test test-unit bench cluster-up cluster-down clean
+# PyTorch CPU tensors are a supported array type: tested where the machine carries the CPU
+# wheel on disk (never a multi-GB CUDA build pulled from the registry).
+TORCH_WHEELS ?= /opt/wheels
+
+.PHONY: setup system-packages demo test test-unit bench cluster-up cluster-down clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
+	@tag=$$($(BIN)/python -c 'import sys; print("cp%d%d" % sys.version_info[:2])'); \
+	whl=$$(ls $(TORCH_WHEELS)/torch-*+cpu-$$tag-*.whl 2>/dev/null | head -1); \
+	if [ -n "$$whl" ]; then echo "installing $$whl"; $(BIN)/pip install -q "$$whl"; \
+	else echo "no PyTorch CPU wheel for $$tag in $(TORCH_WHEELS): the torch tensor tests will skip with that reason"; fi
 	touch $(STAMP)
 
 setup: $(STAMP)
 
+system-packages:
+	@bash .ci/system-packages
+
 demo: setup
 	$(BIN)/dtrun --hostfile hostfiles/localhost $(abspath $(BIN))/python examples/hello.py
 
-test: setup
+test: system-packages setup
 	$(BIN)/python -m pytest
 
 test-unit: setup
