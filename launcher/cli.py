@@ -1,6 +1,6 @@
 """The dtrun command line: parse, build one options object, hand it on. Nothing else.
 
-``dtrun [OPTIONS] PROGRAM [ARGS...]`` launches; ``dtrun hosts|smoke|bench|doctor|keyscan``
+``dtrun [OPTIONS] PROGRAM [ARGS...]`` launches; ``dtrun hosts|smoke|bench|doctor|keyscan|completion``
 are subcommands. Only typer and the standard library are imported here; the commands
 import what they need (rich, paramiko, mpi4py) when they run.
 """
@@ -314,6 +314,9 @@ def _invoke(app: typer.Typer, argv: list[str], prog: str) -> int:
         return int(rv or 0)
     except typer.Exit as e:
         return int(e.exit_code)
+    except click_exc.NoSuchOption as e:  # a subcommand's options: the same message as the launch command's
+        print(f"dtrun: error: {no_such_option(e.option_name, e.possibilities or ())}", file=sys.stderr)
+        return ExitCode.USAGE
     except click_exc.ClickException as e:  # usage errors: one line, exit 2
         print(f"dtrun: error: {e.format_message()}", file=sys.stderr)
         return ExitCode.USAGE if e.exit_code == 2 else int(e.exit_code)

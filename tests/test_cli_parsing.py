@@ -21,6 +21,7 @@ def test_unknown_option_is_an_error_with_a_suggestion_and_nothing_starts(tmp_pat
     assert not marker.exists()
     assert one_line_error(dtrun("--bogus", "touch", marker)) == "dtrun: error: no such option --bogus"
     one_line_error(dtrun("-np", "1", "--dryrun", "touch", marker), "no such option --dryrun (did you mean --dry-run?)")
+    one_line_error(dtrun("doctor", "--hostfle", "x"), "no such option --hostfle (did you mean --hostfile?)")
     assert not marker.exists()
 
 
