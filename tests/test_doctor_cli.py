@@ -28,7 +28,7 @@ def test_doctor_usage_errors_exit_2():
                    "--program /nonexistent/train.py: no such file")
     one_line_error(dtrun("doctor", "-H", "a:x"), "slots for a must be a positive integer")
     one_line_error(dtrun("doctor", "-H", "node1", "--ssh-config", "/nonexistent/cfg"), "ssh config /nonexistent/cfg")
-    one_line_error(dtrun("doctor", "--bogus"), "No such option")
+    one_line_error(dtrun("doctor", "--bogus"), "no such option --bogus")
 
 
 def test_keyscan_usage_errors_exit_2():
