@@ -139,8 +139,11 @@ def run_doctor(spec: DoctorSpec) -> int:
     """Resolve the hosts, run every check, print the table (or JSON); return the exit code."""
     from launcher.hosts import resolve_hosts
 
-    if spec.timeout <= 0:
-        raise UsageError(f"--timeout must be positive, got {spec.timeout:g}")
+    from launcher.safe import seconds
+
+    seconds(spec.timeout, "--timeout")
+    if spec.e2e_timeout is not None:
+        seconds(spec.e2e_timeout, "--e2e-timeout")
     if spec.program and not os.path.exists(spec.program):
         raise UsageError(f"--program {spec.program}: no such file on this host")
     selection = resolve_hosts(spec.host_list, spec.hostfile, spec.cluster, spec.include, spec.exclude)

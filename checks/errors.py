@@ -49,6 +49,10 @@ class HostKeyChanged(CheckError):
     """The host presented a different key from the one recorded: possibly an attack."""
 
 
+class HostKeyRevoked(CheckError):
+    """The host presented a key that a known_hosts file marks ``@revoked``: never accepted."""
+
+
 class CheckTimeout(CheckError):
     """A remote step (probe, listener, connect) did not finish within its timeout."""
 

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
-from checks.errors import CheckError, HostKeyChanged, HostKeyUnknown, SshProtocolError
+from checks.errors import CheckError, HostKeyChanged, HostKeyRevoked, HostKeyUnknown, SshProtocolError
 from launcher.errors import ExitCode, UsageError
 
 
@@ -29,7 +29,7 @@ class KeyscanSpec:
 
 def fetch_key(target, timeout: float):
     """The host key ``target`` presents (negotiation only; no authentication is attempted)."""
-    from checks.ssh import import_paramiko, tcp_connect
+    from checks.ssh import import_paramiko, negotiated_key, tcp_connect
 
     paramiko = import_paramiko()
 
@@ -38,7 +38,7 @@ def fetch_key(target, timeout: float):
     try:
         transport.banner_timeout = timeout
         transport.start_client(timeout=timeout)
-        return transport.get_remote_server_key()
+        return negotiated_key(transport, target, timeout)
     except (paramiko.SSHException, EOFError, OSError) as exc:
         raise SshProtocolError(target.name, f"SSH negotiation with {target.where} failed: {exc or type(exc).__name__}",
                                f"check sshd on {target.name}") from None
@@ -56,9 +56,15 @@ def append_known_host(path: str, line: str) -> None:
     directory = os.path.dirname(path)
     if directory:
         os.makedirs(directory, mode=0o700, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    with os.fdopen(fd, "a") as f:
-        f.write(line)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        missing_newline = False
+        if size:
+            f.seek(size - 1)
+            missing_newline = f.read(1) != b"\n"
+        # A file without a final newline would merge the new entry into its last line.
+        f.write((b"\n" if missing_newline else b"") + line.encode())
 
 
 def _names(spec: KeyscanSpec):
@@ -75,20 +81,29 @@ def _names(spec: KeyscanSpec):
     return selection, list(selection.hosts)
 
 
-def ask(question: str, stdin: TextIO, out: TextIO) -> bool:
+def ask(question: str, stdin: Optional[TextIO], out: TextIO) -> bool:
+    """Ask a yes/no question; a closed or unreadable stdin counts as "no"."""
     out.write(question)
     out.flush()
-    answer = stdin.readline()
+    try:
+        answer = stdin.readline() if stdin is not None else ""
+    except (OSError, ValueError):  # stdin closed (<&-) or not readable
+        answer = ""
     if not answer:
         out.write("\n")
     return answer.strip().lower() in ("y", "yes")
 
 
-def keyscan(spec: KeyscanSpec, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
+def keyscan(spec: KeyscanSpec, stdin: Optional[TextIO] = None, out: Optional[TextIO] = None) -> int:
     """Fetch, show and (after confirmation) record each host's key; 0 when every host ends up known."""
     from checks import ssh
     from launcher.hosts import is_local
 
+    from launcher.safe import seconds
+
+    stdin = sys.stdin if stdin is None else stdin
+    out = sys.stdout if out is None else out
+    seconds(spec.timeout, "--timeout")
     selection, hosts = _names(spec)
     cfg_path = ssh.ssh_config_path(spec.ssh_config, selection.ssh_config if selection else None)
     config = ssh.load_ssh_config(cfg_path)
@@ -107,7 +122,7 @@ def keyscan(spec: KeyscanSpec, stdin: TextIO = sys.stdin, out: TextIO = sys.stdo
             ssh.verify_host_key(t, key, known_file, known)
             print(f"{where}: {ssh.describe_key(key)} already in {known_file}", file=out)
             continue
-        except HostKeyChanged as exc:
+        except (HostKeyChanged, HostKeyRevoked) as exc:
             print(f"{t.name}: {exc.detail}; keyscan does not replace recorded keys. {exc.fix}", file=out)
             code = ExitCode.FAILED
             continue

@@ -27,6 +27,7 @@ from checks.errors import (
     ConnectRefused,
     ConnectTimeout,
     HostKeyChanged,
+    HostKeyRevoked,
     HostKeyUnknown,
     HostUnreachable,
     NameNotResolved,
@@ -109,14 +110,24 @@ def load_ssh_config(path: Optional[str]):
     """A ``paramiko.SSHConfig`` for ``path`` (an empty one for None)."""
     paramiko = import_paramiko()
 
+    from launcher.errors import UsageError
+
     if not path:
         return paramiko.SSHConfig()
     try:
-        return paramiko.SSHConfig.from_path(path)
+        with open(path, "rb") as f:
+            data = f.read(4 << 20)
+        text = data.decode("utf-8")
+        if "\0" in text:
+            raise UnicodeDecodeError("utf-8", data, text.index("\0"), text.index("\0") + 1, "NUL byte")
+        return paramiko.SSHConfig.from_text(text)
     except OSError as exc:
-        from launcher.errors import UsageError
-
         raise UsageError(f"ssh config {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"ssh config {path}: not a text file (binary content); give an OpenSSH client config") from None
+    except (paramiko.SSHException, ValueError, IndexError) as exc:  # ConfigParseError: e.g. a bare ProxyJump
+        raise UsageError(f"ssh config {path}: cannot parse it ({exc}); `ssh -G -F {path} HOST` shows what OpenSSH "
+                         f"makes of it") from None
 
 
 def ssh_target(host, config=None, config_path: Optional[str] = None) -> SshTarget:
@@ -126,15 +137,21 @@ def ssh_target(host, config=None, config_path: Optional[str] = None) -> SshTarge
     the ssh config, as they do in the config dtrun writes for mpirun.
     """
     name = getattr(host, "host", host)
+    from launcher.errors import UsageError
+
     try:
         opts = config.lookup(name) if config is not None else {}
     except ImportError:  # paramiko needs invoke for 'Match exec'
-        from launcher.errors import UsageError
-
         raise UsageError(f"ssh config {config_path}: 'Match exec' is not supported by dtrun's ssh checks") from None
+    except Exception as exc:  # paramiko's lookup raises bare errors on values it cannot expand
+        raise UsageError(f"ssh config {config_path}: cannot read the settings for {name} ({exc})") from None
     user = getattr(host, "user", None) or opts.get("user") or _local_user()
-    port = int(getattr(host, "port", None) or opts.get("port") or 22)
-    ids = tuple(opts.get("identityfile", ()))
+    port_text = str(getattr(host, "port", None) or opts.get("port") or 22)
+    if not port_text.isascii() or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise UsageError(f"ssh config {config_path}: Port {port_text!r} for {name} is not a port number (1-65535)")
+    port = int(port_text)
+    ids = opts.get("identityfile", ())
+    ids = tuple(ids) if isinstance(ids, (list, tuple)) else (str(ids),)
     own = getattr(host, "identity_file", None)
     if own:
         ids = (own,) + ids
@@ -172,20 +189,94 @@ def describe_key(key) -> str:
 
 # ---- known_hosts -------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class KnownHostsFile:
+    """One known_hosts file as OpenSSH reads it: plain entries, ``@revoked`` keys, and lines skipped."""
+
+    keys: object  # paramiko.HostKeys
+    revoked: tuple = ()  # (name patterns, key)
+    skipped: tuple[str, ...] = ()  # "path:line: why" for lines not understood
+
+
+def read_known_hosts(path: str) -> KnownHostsFile:
+    """Parse ``path`` line by line; a line that cannot be read is skipped (as OpenSSH does), never fatal.
+
+    ``@cert-authority`` lines are skipped with a note (dtrun does not verify host
+    certificates); ``@revoked`` keys are kept so that a host presenting one is refused.
+    """
+    paramiko = import_paramiko()
+    from paramiko.hostkeys import HostKeyEntry
+
+    keys, revoked, skipped = paramiko.HostKeys(), [], []
+    try:
+        with open(path, "rb") as f:
+            data = f.read(16 << 20)
+    except OSError:
+        return KnownHostsFile(keys)
+    for lineno, raw in enumerate(data.splitlines(), 1):
+        line = raw.decode("utf-8", "replace").strip()
+        if not line or line.startswith("#"):
+            continue
+        marker = None
+        if line.startswith("@"):
+            marker, _, line = line.partition(" ")
+            line = line.strip()
+        try:
+            entry = HostKeyEntry.from_line(line, lineno)
+        except Exception:  # bad base64, a truncated key, ...: OpenSSH skips such lines too
+            entry = None
+        if entry is None:
+            skipped.append(f"{path}:{lineno}: not a known_hosts entry dtrun can read")
+            continue
+        if marker == "@revoked":
+            revoked.append((tuple(entry.hostnames), entry.key))
+        elif marker == "@cert-authority":
+            skipped.append(f"{path}:{lineno}: @cert-authority (host certificates are not checked by dtrun)")
+        elif marker is not None:
+            skipped.append(f"{path}:{lineno}: unknown marker {marker}")
+        else:
+            for h in entry.hostnames:
+                keys.add(h, entry.key.get_name(), entry.key)
+    return KnownHostsFile(keys, tuple(revoked), tuple(skipped))
+
+
+def _name_matches(name: str, patterns) -> bool:
+    """OpenSSH's host-pattern match for a known_hosts line: hashed names, wildcards, '!' negation."""
+    import fnmatch
+
+    paramiko = import_paramiko()
+    hit = False
+    for p in patterns:
+        if p.startswith("|1|"):
+            try:
+                if paramiko.HostKeys.hash_host(name, p) == p:
+                    hit = True
+            except Exception:
+                continue
+        elif p.startswith("!"):
+            if fnmatch.fnmatchcase(name, p[1:]):
+                return False
+        elif fnmatch.fnmatchcase(name, p):
+            hit = True
+    return hit
+
+
+def revoked_key_file(target: SshTarget, key) -> Optional[str]:
+    """The known_hosts file that marks ``key`` ``@revoked`` for this host, if one does."""
+    for path in target.known_hosts + target.global_known_hosts:
+        for patterns, bad in read_known_hosts(path).revoked:
+            if bad == key and _name_matches(target.known_hosts_name, patterns):
+                return path
+    return None
+
+
 def known_host_keys(target: SshTarget):
     """(file, {keytype: key}) of the first known_hosts file that lists the host, else (None, {})."""
-    paramiko = import_paramiko()
-
     name = target.known_hosts_name
     for path in target.known_hosts + target.global_known_hosts:
         if not os.path.isfile(path):
             continue
-        keys = paramiko.HostKeys()
-        try:
-            keys.load(path)
-        except OSError:
-            continue
-        found = keys.lookup(name)
+        found = read_known_hosts(path).keys.lookup(name)
         if found:
             return path, {k: found[k] for k in found.keys()}
     return None, {}
@@ -207,6 +298,14 @@ def _prefer_known_types(transport, known: dict) -> None:
 def verify_host_key(target: SshTarget, server_key, known_file: Optional[str], known: dict) -> None:
     """Raise HostKeyUnknown / HostKeyChanged unless ``server_key`` is recorded for the host."""
     keyscan = "dtrun keyscan" + (f" --ssh-config {target.config}" if target.config else "") + f" {target.name}"
+    revoked_in = revoked_key_file(target, server_key)
+    if revoked_in:
+        raise HostKeyRevoked(
+            target.name,
+            f"{target.known_hosts_name} presents {describe_key(server_key)}, which {revoked_in} marks @revoked; "
+            f"dtrun will not connect",
+            f"the host must get a new host key; ask its administrator (the revoked key may have been stolen)",
+        )
     if not known:
         files = ", ".join(target.known_hosts)
         raise HostKeyUnknown(
@@ -421,6 +520,24 @@ def read_until_exit(chan, deadline: float, host: str) -> tuple[bytes, bytes]:
         select.select([chan], [], [], min(left, 0.5))
 
 
+def negotiated_key(transport, target: SshTarget, timeout: float):
+    """The server's host key after ``start_client``, which can return on its timeout without raising."""
+    paramiko = import_paramiko()
+
+    try:
+        key = transport.get_remote_server_key()  # raises "No existing session" until the key exchange is done
+    except paramiko.SSHException:
+        key = None
+    if key is None:
+        raise SshProtocolError(
+            target.name,
+            f"TCP to {target.where} connected but the SSH handshake did not complete within {timeout:g} s: sshd is "
+            f"overloaded or hung, or something else listens on port {target.port}",
+            f"check sshd on {target.name} (journalctl -u ssh) and MaxStartups",
+        )
+    return key
+
+
 def connect(target: SshTarget, timeout: float = DEFAULT_TIMEOUT_S) -> SshConnection:
     """TCP connect, SSH negotiation, host key check and key authentication, each timed.
 
@@ -453,7 +570,7 @@ def connect(target: SshTarget, timeout: float = DEFAULT_TIMEOUT_S) -> SshConnect
                 ) from None
             raise SshProtocolError(target.name, f"SSH negotiation with {target.where} failed: {what}",
                                    "compare the ciphers and key types of this ssh client and the host's sshd") from None
-        server_key = transport.get_remote_server_key()
+        server_key = negotiated_key(transport, target, timeout)
         verify_host_key(target, server_key, known_file, known)
         t_kex = time.monotonic()
         label = authenticate(transport, target)

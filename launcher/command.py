@@ -10,6 +10,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Optional
 
+from launcher import safe
 from launcher.errors import UsageError
 from launcher.flavors import Flavor
 from launcher.hostfile import HostSlots
@@ -17,8 +18,11 @@ from launcher.hostfile import HostSlots
 DEFAULT_EXCLUDE = ("lo", "docker0")
 # Open MPI's routed tree: from this many daemons on, inner daemons ssh to their children.
 TREE_SPAWN_HOSTS = 64
-_SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL", re.I)
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Secret-looking names: these words anywhere in the name ...
+_SECRET = re.compile(r"TOKEN|SECRET|PASSW|PASSPHRASE|CREDENTIAL|PRIVATE|KEY|COOKIE|SESSION|SIGNATURE", re.I)
+# ... or these as a whole part of it (DB_PASS, GITHUB_PAT, X_AUTH, OPENAI_API_BASE; not PATH or PASSAGE).
+_SECRET_PARTS = {"PASS", "PAT", "PW", "AUTH", "API", "CERT", "PIN", "OTP", "DSN", "JWT", "BEARER", "CRED", "CREDS"}
+_URL_CREDENTIALS = re.compile(r"(?P<pre>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*:)(?P<pw>[^/@\s]+)(?P<at>@)")
 REDACTED = "<redacted>"
 
 
@@ -46,6 +50,7 @@ class LaunchSpec:
     no_tree_spawn: bool = False
     ssh_config: Optional[str] = None
     ssh_wrapper: Optional[str] = None  # MPICH: executable that runs ssh -F CONFIG
+    ssh_files: tuple = ()  # sshconf.GeneratedFile: written by the launch, shown by --dry-run
     as_root: bool = False
     rank_wrapper: tuple[str, ...] = ()
 
@@ -57,15 +62,16 @@ class ArgGroup:
 
 
 def parse_env_item(item: str) -> tuple[str, Optional[str]]:
-    """``NAME`` or ``NAME=VALUE`` from -x, validated."""
-    name, eq, value = item.partition("=")
-    if not _ENV_NAME.match(name):
-        raise UsageError(f"-x {item!r}: {name!r} is not a valid environment variable name")
-    return name, (value if eq else None)
+    """``NAME`` or ``NAME=VALUE`` from -x, validated (``launcher.safe.env_item``)."""
+    return safe.env_item(item)
 
 
 def is_secret_name(name: str) -> bool:
-    return bool(_SECRET.search(name))
+    """True for names whose values should not be printed (HF_TOKEN, DB_PASS, GITHUB_PAT, ...)."""
+    if _SECRET.search(name):
+        return True
+    parts = re.split(r"[^A-Za-z0-9]+|(?<=[a-z])(?=[A-Z])", name)
+    return any(p.upper() in _SECRET_PARTS for p in parts)
 
 
 def _hosts_arg(hosts, sep=":") -> str:
@@ -163,7 +169,9 @@ def _openmpi_groups(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
     g.extend(iface_groups_openmpi(spec, flavor))
     if spec.ssh_config:
         key = ("--prtemca", "plm_ssh_args") if v5 else ("--mca", "plm_rsh_args")
-        g.append(ArgGroup(key + (f"-F {spec.ssh_config}",), "ssh user/port/identity per host"))
+        # Open MPI splits this value on spaces without quoting: the path must be one plain word.
+        g.append(ArgGroup(key + (f"-F {safe.mca_word(spec.ssh_config, 'ssh config path')}",),
+                          "ssh user/port/identity per host"))
     if spec.no_tree_spawn:
         key = ("--prtemca", "plm_ssh_no_tree_spawn", "1") if v5 else ("--mca", "plm_rsh_no_tree_spawn", "1")
         g.append(ArgGroup(key, "start every daemon from this host: no host needs ssh to another"))
@@ -219,16 +227,20 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
 
 
 def redact_args(args) -> list[str]:
-    """Hide the values of secret-looking variables (-x NAME=V, -genv NAME V)."""
+    """Hide secret-looking values: ``NAME=V`` and ``--name=V`` (also after -x), ``-genv/-env NAME V``,
+    and the password in ``scheme://user:password@host``."""
     out = list(args)
-    for i, a in enumerate(out):
-        prev = out[i - 1] if i else ""
-        if prev == "-x" and "=" in a:
-            name, _, _ = a.partition("=")
-            if is_secret_name(name):
-                out[i] = f"{name}={REDACTED}"
-        elif i >= 2 and out[i - 2] == "-genv" and is_secret_name(prev):
+    for i, a in enumerate(args):
+        prev = args[i - 1] if i else ""
+        name, eq, _ = a.partition("=")
+        if eq and is_secret_name(name.lstrip("-")) and (prev == "-x" or re.fullmatch(r"-{0,2}[A-Za-z_][\w.-]*", name)):
+            out[i] = f"{name}={REDACTED}"
+        elif i >= 2 and args[i - 2] in ("-genv", "-env", "--env") and is_secret_name(prev):
             out[i] = REDACTED
+        elif prev.startswith("-") and "=" not in prev and is_secret_name(prev.lstrip("-")):
+            out[i] = REDACTED  # --password VALUE
+        else:
+            out[i] = _URL_CREDENTIALS.sub(lambda m: m["pre"] + REDACTED + m["at"], a)
     return out
 
 

@@ -65,3 +65,7 @@ class MpiFlavorError(UsageError):
 
 class LaunchError(DtrunError):
     """The job could not be started (exec failure and the like)."""
+
+
+class InvalidValue(UsageError):
+    """A value that fails one of the grammars in launcher/safe.py (the caller adds where it came from)."""

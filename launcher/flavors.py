@@ -110,8 +110,22 @@ def _prefix_of(mpirun: str) -> str:
     return str(Path(os.path.realpath(mpirun)).parent.parent)
 
 
-def detect_flavor(mpirun: str, use_cache: bool = True) -> Flavor:
+def _cached(entries, key: str) -> Optional[tuple[str, tuple[int, ...]]]:
+    """The (kind, version) recorded for ``key``, or None when absent or malformed."""
+    hit = entries.get(key) if isinstance(entries, dict) else None
+    if not isinstance(hit, dict) or hit.get("kind") not in (OPENMPI, MPICH):
+        return None
+    version = hit.get("version")
+    if not isinstance(version, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in version):
+        return None
+    return hit["kind"], tuple(version)
+
+
+def detect_flavor(mpirun: str, use_cache: bool = True, write_cache: bool = True) -> Flavor:
     """Run ``mpirun --version`` (cached) and return the Flavor.
+
+    A cache that cannot be read or parsed is ignored and replaced; ``write_cache=False``
+    (``--dry-run``) leaves it as it is.
 
     Raises:
         MpiNotFoundError: mpirun cannot be run.
@@ -127,11 +141,13 @@ def detect_flavor(mpirun: str, use_cache: bool = True) -> Flavor:
     if use_cache:
         try:
             entries = json.loads(cache.read_text())
-            hit = entries.get(key)
-            if hit:
-                return Flavor(hit["kind"], tuple(hit["version"]), mpirun, _prefix_of(mpirun))
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, RecursionError):
             entries = {}
+        if not isinstance(entries, dict):
+            entries = {}  # '[]', 'null' or another JSON value: not dtrun's cache, start afresh
+        hit = _cached(entries, key)
+        if hit:
+            return Flavor(hit[0], hit[1], mpirun, _prefix_of(mpirun))
     try:
         out = subprocess.run(
             [mpirun, "--version"], capture_output=True, text=True,
@@ -142,7 +158,7 @@ def detect_flavor(mpirun: str, use_cache: bool = True) -> Flavor:
     except OSError as exc:
         raise MpiNotFoundError(f"cannot run {mpirun}: {exc.strerror}") from None
     kind, version = parse_version_output(out.stdout + out.stderr)
-    if use_cache:
+    if use_cache and write_cache:
         entries[key] = {"kind": kind, "version": list(version)}
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)

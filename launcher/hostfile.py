@@ -5,16 +5,17 @@ Pure functions from text to ``HostSlots``; reading files is done by the
 """
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from launcher.errors import HostfileError
+from launcher import safe
+from launcher.errors import HostfileError, InvalidValue
 
-_LABEL = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
+MAX_FILE_BYTES = 4 << 20  # a hostfile or cluster file larger than this is not one
 
 
 @dataclass(frozen=True)
@@ -37,32 +38,20 @@ class HostSlots:
 def validate_hostname(name: str, source: str, line: int | None = None) -> str:
     """Return ``name`` if it is a valid host name or IP address, else raise HostfileError.
 
-    Host names end up on the command lines of ssh and mpirun; rejecting anything
-    that is not a plain name keeps option-like or shell-special strings out.
+    Host names end up on the command lines of ssh and mpirun and in generated ssh
+    configs; ``launcher.safe.host_name`` admits plain names and addresses only.
     """
-    if not name:
-        raise HostfileError(source, line, "empty host name")
     try:
-        ipaddress.ip_address(name)
-        return name
-    except ValueError:
-        pass
-    if len(name) > 253 or not all(_LABEL.match(label) for label in name.split(".")):
-        raise HostfileError(
-            source, line,
-            f"invalid host name {name!r} (letters, digits, '-', '_' and '.' only; no leading '-')",
-        )
-    return name
+        return safe.host_name(name)
+    except InvalidValue as exc:
+        raise HostfileError(source, line, str(exc)) from None
 
 
 def _parse_slots(value: str, source: str, line: int | None, what: str = "slots") -> int:
     try:
-        n = int(value, 10)
-    except (TypeError, ValueError):
-        raise HostfileError(source, line, f"{what} must be a positive integer, got {value!r}") from None
-    if n <= 0:
-        raise HostfileError(source, line, f"{what} must be a positive integer, got {n}")
-    return n
+        return safe.count(value, what, safe.MAX_SLOTS)
+    except InvalidValue as exc:
+        raise HostfileError(source, line, str(exc)) from None
 
 
 def _split_host_colon(item: str, source: str, line: int | None) -> tuple[str, Optional[str]]:
@@ -164,6 +153,8 @@ def parse_cluster_yaml(text: str, source: str) -> ClusterFile:
 
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except RecursionError:
+        raise HostfileError(source, None, "invalid YAML: nested too deeply") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
@@ -182,10 +173,26 @@ def parse_cluster_yaml(text: str, source: str) -> ClusterFile:
             raise HostfileError(source, line_of(node), f"{what} must be a single value")
         return str(node.value)
 
-    def host_options(mapping, where_line: int) -> dict:
-        opts = {}
+    def keys_once(mapping):
+        seen = set()
         for knode, vnode in mapping.value:
             key = scalar(knode, "a key")
+            if key in seen:
+                raise HostfileError(source, line_of(knode), f"key {key!r} given twice")
+            seen.add(key)
+            yield key, knode, vnode
+
+    def path_value(value: str, ln: int, what: str) -> str:
+        path = os.path.abspath(os.path.expanduser(value))
+        try:
+            safe.ssh_config_path(path, what)
+        except InvalidValue as exc:
+            raise HostfileError(source, ln, str(exc)) from None
+        return path
+
+    def host_options(mapping, where_line: int) -> dict:
+        opts = {}
+        for key, knode, vnode in keys_once(mapping):
             if key not in _HOST_KEYS:
                 raise HostfileError(source, line_of(knode), f"unknown key {key!r} (expected one of {', '.join(sorted(_HOST_KEYS))})")
             value = scalar(vnode, key)
@@ -193,25 +200,25 @@ def parse_cluster_yaml(text: str, source: str) -> ClusterFile:
             if key in ("slots", "max_slots"):
                 opts[key] = _parse_slots(value, source, ln, key)
             elif key == "port":
-                port = _parse_slots(value, source, ln, "port")
-                if port > 65535:
-                    raise HostfileError(source, ln, f"port must be 1-65535, got {port}")
-                opts[key] = port
+                try:
+                    opts[key] = safe.port(value)
+                except InvalidValue as exc:
+                    raise HostfileError(source, ln, str(exc)) from None
             elif key in ("name", "host"):
                 opts["name"] = (validate_hostname(value, source, ln), ln)
             elif key == "user":
-                if not re.match(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$", value):
-                    raise HostfileError(source, ln, f"invalid user name {value!r}")
-                opts[key] = value
+                try:
+                    opts[key] = safe.user_name(value)
+                except InvalidValue as exc:
+                    raise HostfileError(source, ln, str(exc)) from None
             else:
-                opts[key] = os.path.expanduser(value)
+                opts[key] = path_value(value, ln, key)
         return opts
 
     defaults: dict = {}
     ssh_config = None
     hosts_node = None
-    for knode, vnode in root.value:
-        key = scalar(knode, "a key")
+    for key, knode, vnode in keys_once(root):
         if key == "defaults":
             if not isinstance(vnode, yaml.MappingNode):
                 raise HostfileError(source, line_of(vnode), "defaults must be a mapping")
@@ -219,7 +226,7 @@ def parse_cluster_yaml(text: str, source: str) -> ClusterFile:
             if "name" in defaults:
                 raise HostfileError(source, line_of(vnode), "defaults cannot set a host name")
         elif key == "ssh_config":
-            ssh_config = os.path.expanduser(scalar(vnode, "ssh_config"))
+            ssh_config = path_value(scalar(vnode, "ssh_config"), line_of(vnode), "ssh_config")
         elif key == "hosts":
             hosts_node = vnode
         else:
@@ -249,10 +256,41 @@ def parse_cluster_yaml(text: str, source: str) -> ClusterFile:
     return ClusterFile(tuple(hosts), ssh_config)
 
 
+def hostlist_size(nodelist: str) -> int:
+    """How many names a Slurm node list like ``n[01-04,07],m[1-2]x[1-3]`` expands to, without expanding it.
+
+    A best-effort count used to refuse lists too large to expand; malformed lists are
+    left for python-hostlist to report.
+    """
+    total, depth, segment = 0, 0, []
+    for c in nodelist + ",":
+        if c == "[":
+            depth += 1
+        elif c == "]":
+            depth -= 1
+        if c == "," and depth == 0:
+            n = 1
+            for ranges in re.findall(r"\[([^\]]*)\]", "".join(segment)):
+                size = 0
+                for part in ranges.split(","):
+                    lo, _, hi = part.partition("-")
+                    if lo.isdigit() and hi.isdigit() and len(lo) < 10 and len(hi) < 10:
+                        size += max(0, int(hi) - int(lo)) + 1
+                    else:
+                        size += 1
+                n *= max(size, 1)
+            total += n
+            segment = []
+        else:
+            segment.append(c)
+    return total
+
+
 def slurm_hosts(environ: Mapping[str, str]) -> Optional[list[HostSlots]]:
     """Hosts and slots of the current Slurm allocation, or None outside one.
 
-    Uses python-hostlist for the compressed ``node[01-04,07]`` and ``4(x2),2`` forms.
+    Uses python-hostlist for the compressed ``node[01-04,07]`` and ``4(x2),2`` forms,
+    after checking that neither expands beyond ``safe.MAX_HOSTS`` entries.
     """
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     if not nodelist:
@@ -260,12 +298,18 @@ def slurm_hosts(environ: Mapping[str, str]) -> Optional[list[HostSlots]]:
     import hostlist  # lazily: only inside Slurm
 
     source = "SLURM_JOB_NODELIST"
+    if len(nodelist) > 65536 or hostlist_size(nodelist) > safe.MAX_HOSTS:
+        raise HostfileError(source, None, f"{nodelist[:40]!r}{'...' if len(nodelist) > 40 else ''} names more than "
+                                          f"{safe.MAX_HOSTS} nodes; dtrun launches at most {safe.MAX_HOSTS} hosts")
     try:
         names = hostlist.expand_hostlist(nodelist)
-    except hostlist.BadHostlist as exc:
+    except (hostlist.BadHostlist, ValueError, RecursionError) as exc:
         raise HostfileError(source, None, f"cannot expand {nodelist!r}: {exc}") from None
     tasks = environ.get("SLURM_TASKS_PER_NODE")
     if tasks:
+        reps = sum(int(r) for r in re.findall(r"\(x(\d{1,9})\)", tasks)) + tasks.count(",") + 1
+        if len(tasks) > 65536 or reps > safe.MAX_HOSTS + tasks.count(",") + 1:
+            raise HostfileError("SLURM_TASKS_PER_NODE", None, f"{tasks[:40]!r} gives more than {safe.MAX_HOSTS} counts")
         try:
             counts = hostlist.parse_slurm_tasks_per_node(tasks)
         except (hostlist.BadHostlist, ValueError) as exc:
@@ -275,18 +319,58 @@ def slurm_hosts(environ: Mapping[str, str]) -> Optional[list[HostSlots]]:
                 "SLURM_TASKS_PER_NODE", None,
                 f"{tasks!r} gives {len(counts)} counts for {len(names)} nodes in {nodelist!r}",
             )
+        if not any(c > 0 for c in counts):
+            raise HostfileError("SLURM_TASKS_PER_NODE", None,
+                                f"{tasks!r} gives no tasks to any node of {nodelist!r}; the allocation has no slots "
+                                f"(check the srun/sbatch --ntasks options)")
+        big = [c for c in counts if c > safe.MAX_SLOTS]
+        if big:
+            raise HostfileError("SLURM_TASKS_PER_NODE", None,
+                                f"{big[0]} tasks on one node is more than {safe.MAX_SLOTS}")
     else:
         counts = [1] * len(names)
     return [HostSlots(validate_hostname(n, source), c, source=source) for n, c in zip(names, counts) if c > 0]
 
 
 def _read(path: str | os.PathLike) -> str:
+    """The text of a hostfile or cluster file: a regular file, at most MAX_FILE_BYTES, UTF-8.
+
+    Opened without blocking, so a FIFO is refused instead of waiting for a writer,
+    and read with a bound, so /dev/zero is refused instead of filling memory.
+    """
+    where = str(path)
+    if not where:
+        raise HostfileError("''", None, "empty file name")
     try:
-        return Path(path).read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     except FileNotFoundError:
-        raise HostfileError(str(path), None, "no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise HostfileError(str(path), None, f"cannot read: {exc}") from None
+        raise HostfileError(where, None, "no such file") from None
+    except OSError as exc:
+        raise HostfileError(where, None, f"cannot read: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a socket")
+            raise HostfileError(where, None, f"is {kind}, not a regular file")
+        if st.st_size > MAX_FILE_BYTES:
+            raise HostfileError(where, None, f"is {st.st_size} bytes; a host file is at most {MAX_FILE_BYTES}")
+        data = os.read(fd, MAX_FILE_BYTES + 1)
+        chunks = [data]
+        while data and sum(map(len, chunks)) <= MAX_FILE_BYTES:
+            data = os.read(fd, MAX_FILE_BYTES + 1)
+            chunks.append(data)
+        raw = b"".join(chunks)
+        if len(raw) > MAX_FILE_BYTES:
+            raise HostfileError(where, None, f"is larger than {MAX_FILE_BYTES} bytes")
+    except OSError as exc:
+        raise HostfileError(where, None, f"cannot read: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HostfileError(where, None, f"not UTF-8 text (byte {exc.start})") from None
 
 
 def read_hostfile(path: str | os.PathLike) -> list[HostSlots]:

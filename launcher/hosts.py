@@ -12,6 +12,7 @@ from functools import lru_cache
 from typing import Mapping, Optional, Sequence
 
 from launcher.errors import HostfileError, UnknownHostError, UsageError
+from launcher.safe import MAX_RANKS, count
 from launcher.hostfile import (
     HostSlots,
     parse_host_list,
@@ -107,15 +108,18 @@ def resolve_hosts(
         UsageError: more than one host source, or a source that is malformed.
     """
     environ = os.environ if environ is None else environ
-    given = [flag for flag, v in (("-H", host_list), ("--hostfile", hostfile), ("--cluster", cluster)) if v]
+    given = [flag for flag, v in (("-H", host_list), ("--hostfile", hostfile), ("--cluster", cluster)) if v is not None]
+    for flag, v in (("-H", host_list), ("--hostfile", hostfile), ("--cluster", cluster)):
+        if v is not None and not str(v).strip():
+            raise UsageError(f"{flag}: empty value (leave the option out to use Slurm or localhost)")
     if len(given) > 1:
         raise UsageError(f"give only one of -H, --hostfile and --cluster (got {' and '.join(given)})")
     ssh_config = None
-    if host_list:
+    if host_list is not None:
         hosts, source = parse_host_list(host_list), "-H"
-    elif hostfile:
+    elif hostfile is not None:
         hosts, source = read_hostfile(hostfile), str(hostfile)
-    elif cluster:
+    elif cluster is not None:
         cf = read_cluster_file(cluster)
         hosts, source, ssh_config = list(cf.hosts), str(cluster), cf.ssh_config
     else:
@@ -129,13 +133,17 @@ def resolve_hosts(
     return HostSelection(tuple(hosts), source, tuple(warnings), ssh_config)
 
 
-def resolve_np(np: Optional[int], selection: HostSelection, oversubscribe: bool) -> int:
-    """-np defaults to the total slots; more than that needs --oversubscribe."""
+def resolve_np(np, selection: HostSelection, oversubscribe: bool) -> int:
+    """-np (the text or number given) defaults to the total slots; more than that needs --oversubscribe."""
     total = selection.total_slots
     if np is None:
         return total
+    if isinstance(np, str):
+        np = count(np, "-np", MAX_RANKS)
     if np <= 0:
         raise UsageError(f"-np must be a positive integer, got {np}")
+    if np > MAX_RANKS:
+        raise UsageError(f"-np must be at most {MAX_RANKS}, got {np}")
     if np > total and not oversubscribe:
         cores = ""
         if all_local(selection.hosts):

@@ -1,7 +1,6 @@
 """The launch command's work: options → hosts → MPI flavor → LaunchSpec → mpirun."""
 from __future__ import annotations
 
-import hashlib
 import os
 import shlex
 import shutil
@@ -13,7 +12,8 @@ from typing import Mapping, Optional
 from launcher import command as cmd
 from launcher.errors import ExitCode, UsageError
 from launcher.flavors import Flavor, detect_flavor, find_mpirun
-from launcher.paths import cache_dir
+from launcher import safe
+from launcher.sshconf import job_ssh_files
 from launcher.hosts import HostSelection, all_local, is_local, resolve_hosts, resolve_np
 
 RANKEXEC = str(Path(__file__).with_name("rankexec.py"))
@@ -57,45 +57,10 @@ def warn(msg: str) -> None:
 
 
 def ssh_config_for(selection: HostSelection, base_config: Optional[str]) -> Optional[str]:
-    """An ssh config that carries the cluster file's per-host user/port/identity.
+    """The ssh config mpirun gets (written now): the cluster file's per-host settings, then the base config."""
+    from launcher.sshconf import write_job_config
 
-    Returns ``base_config`` unchanged when no host has settings of its own; otherwise
-    writes a small config (Host blocks, then ``Include`` of the base or ~/.ssh/config).
-    """
-    per_host = [h for h in selection.hosts if h.has_ssh_settings]
-    if not per_host:
-        return base_config
-    lines = ["# written by dtrun from " + selection.source]
-    for h in per_host:
-        lines.append(f"Host {h.host}")
-        if h.user:
-            lines.append(f"  User {h.user}")
-        if h.port:
-            lines.append(f"  Port {h.port}")
-        if h.identity_file:
-            lines.append(f'  IdentityFile "{h.identity_file}"')
-    include = base_config or os.path.expanduser("~/.ssh/config")
-    if os.path.exists(include):
-        lines += ["Host *", f'  Include "{os.path.abspath(include)}"']
-    text = "\n".join(lines) + "\n"
-    path = cache_dir() / "ssh" / f"config-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_suffix(f".{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    return str(path)
-
-
-def mpich_ssh_wrapper(config: str) -> str:
-    """Hydra takes an ssh executable, not ssh arguments: a two-line script that adds -F."""
-    text = f"#!/bin/sh\nexec ssh -F {shlex.quote(config)} \"$@\"\n"
-    path = cache_dir() / "ssh" / f"ssh-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path.write_text(text)
-        path.chmod(0o755)
-    return str(path)
+    return write_job_config(selection, base_config)
 
 
 def resolve_program(program, environ: Mapping[str, str]) -> tuple[str, ...]:
@@ -118,10 +83,20 @@ def _split_ifaces(value: str, flag: str) -> tuple[str, ...]:
     items = tuple(i.strip() for i in value.split(",") if i.strip())
     if not items:
         raise UsageError(f"{flag}: empty interface list")
-    for i in items:
-        if not all(c.isalnum() or c in "._-/:" for c in i):
-            raise UsageError(f"{flag}: invalid interface or subnet {i!r}")
-    return items
+    return tuple(safe.iface(i, flag) for i in items)
+
+
+def _mpi_args(text: Optional[str]) -> tuple[str, ...]:
+    if not text:
+        return ()
+    try:
+        args = tuple(shlex.split(text))
+    except ValueError as exc:
+        raise UsageError(f"--mpi-args {text!r}: {exc} (quote it as a shell would)") from None
+    for a in args:
+        if any(ord(c) < 32 and c != "\t" for c in a):
+            raise UsageError(f"--mpi-args: argument {a!r} contains a newline or another control character")
+    return args
 
 
 def exclusions(user: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
@@ -145,13 +120,16 @@ def new_run_id(now: Optional[float] = None, pid: Optional[int] = None) -> str:
 
 def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
               environ: Mapping[str, str]) -> cmd.LaunchSpec:
-    """Settle every choice the command line depends on (pure apart from writing ssh configs)."""
+    """Settle every choice the command line depends on (pure: files to write are in ``ssh_files``)."""
     if not opts.program:
         raise UsageError("no program given: dtrun [OPTIONS] PROGRAM [ARGS...]")
     np = resolve_np(opts.np, selection, opts.oversubscribe)
     local_only = all_local(selection.hosts)
     for item in opts.env:
         cmd.parse_env_item(item)
+    for key, value in opts.mca:
+        safe.mca_value(safe.mca_key(key), value)
+    mpi_args = _mpi_args(opts.mpi_args)
     include, exclude, reason = (), cmd.DEFAULT_EXCLUDE, "default"
     if opts.include_iface and opts.exclude_iface:
         raise UsageError("--include-iface and --exclude-iface cannot be used together (Open MPI rejects both at once)")
@@ -163,16 +141,17 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
         exclude, reason = exclusions(_split_ifaces(opts.exclude_iface, "--exclude-iface"))
         local_only = False
     elif not local_only and flavor.is_openmpi:
-        from launcher.netinfo import infer_shared_subnet
+        from launcher.netinfo import DRY_RUN_RESOLVE_S, RESOLVE_TIMEOUT_S, infer_shared_subnet
 
-        shared = infer_shared_subnet([h.host for h in selection.hosts if not is_local(h.host)])
+        shared = infer_shared_subnet([h.host for h in selection.hosts if not is_local(h.host)],
+                                     DRY_RUN_RESOLVE_S if opts.dry_run else RESOLVE_TIMEOUT_S)
         if shared is not None:
             include, reason = (shared.cidr,), (f"the subnet of {shared.iface} routes to every host, "
                                                "inferred on this machine (no preflight)")
     base_ssh = opts.ssh_config or environ.get("DTRUN_SSH_CONFIG") or selection.ssh_config
     if base_ssh and not os.path.isfile(base_ssh):
         raise UsageError(f"ssh config {base_ssh}: no such file")
-    ssh_config = ssh_config_for(selection, base_ssh)
+    ssh_files = job_ssh_files(selection, base_ssh, flavor.is_openmpi)
     tag = opts.tag_output if opts.tag_output is not None else (len(selection.hosts) > 1 and not local_only)
     wrapper = (sys.executable, "-S", RANKEXEC, "--") if opts.rank_wrapper else ()
     return cmd.LaunchSpec(
@@ -188,14 +167,15 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
         env=tuple(opts.env),
         env_names_set=frozenset(k for k in ("LD_LIBRARY_PATH", "NCCL_SOCKET_IFNAME") if environ.get(k)),
         mca=tuple(opts.mca),
-        mpi_args=tuple(shlex.split(opts.mpi_args)) if opts.mpi_args else (),
+        mpi_args=mpi_args,
         tag_output=tag,
         log_dir=os.path.join(os.path.abspath(opts.log_dir), opts.run_id or new_run_id()) if opts.log_dir else None,
         nccl_debug=opts.nccl_debug,
         nccl_socket_ifname=opts.nccl_socket_ifname if include else None,
         no_tree_spawn=opts.no_tree_spawn,
-        ssh_config=ssh_config,
-        ssh_wrapper=mpich_ssh_wrapper(ssh_config) if ssh_config and not flavor.is_openmpi else None,
+        ssh_config=ssh_files.config,
+        ssh_wrapper=ssh_files.wrapper,
+        ssh_files=ssh_files.files,
         as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
         rank_wrapper=wrapper,
     )
@@ -211,7 +191,7 @@ def prepare(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None):
     selection = resolve_hosts(opts.host_list, opts.hostfile, opts.cluster, opts.include, opts.exclude, environ)
     for w in selection.warnings:
         warn(w)
-    flavor = detect_flavor(find_mpirun(opts.mpirun, environ))
+    flavor = detect_flavor(find_mpirun(opts.mpirun, environ), write_cache=not opts.dry_run)
     if opts.preflight and not all_local(selection.hosts):
         from checks.preflight import preflight
 
@@ -254,10 +234,15 @@ def launch(opts: LaunchOptions) -> int:
     selection, flavor, spec, groups = prepare(opts)
     if opts.dry_run:
         print(describe(opts, selection, flavor, spec, groups))
+        for f in spec.ssh_files:
+            print(f"# a launch first writes {f.path} (--dry-run wrote nothing):")
+            print("\n".join(f"#   {line}" for line in f.text.splitlines()))
         return ExitCode.OK
     if opts.verbose:
         print("\n".join(f"dtrun: {line}" for line in describe(opts, selection, flavor, spec, groups).splitlines()),
               file=sys.stderr, flush=True)
+    for f in spec.ssh_files:
+        f.write()
     from launcher.run import failure_summary, run_job
 
     if spec.log_dir:

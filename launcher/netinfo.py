@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 RESOLVE_TIMEOUT_S = 2.0
+DRY_RUN_RESOLVE_S = 0.3  # --dry-run shows the command without waiting on a slow DNS
 
 
 @dataclass(frozen=True)
@@ -35,13 +35,42 @@ def _resolve(host: str) -> Optional[str]:
     return infos[0][4][0] if infos else None
 
 
-def resolve_all(hosts: Sequence[str], timeout: float = RESOLVE_TIMEOUT_S) -> dict[str, Optional[str]]:
-    """IPv4 address of each host (None where it does not resolve in time)."""
-    pool = ThreadPoolExecutor(max_workers=min(16, max(1, len(hosts))))
-    futures = {h: pool.submit(_resolve, h) for h in hosts}
-    wait(futures.values(), timeout=timeout)
-    pool.shutdown(wait=False, cancel_futures=True)
-    return {h: (f.result() if f.done() else None) for h, f in futures.items()}
+def resolve_all(hosts: Sequence[str], timeout: float = RESOLVE_TIMEOUT_S, workers: int = 64) -> dict[str, Optional[str]]:
+    """IPv4 address of each host (None where it does not resolve within ``timeout`` in all).
+
+    Daemon threads, so a DNS server that never answers delays neither the answer
+    beyond ``timeout`` nor dtrun's exit; hosts not yet resolved count as unresolved.
+    """
+    import queue
+    import threading
+    import time
+
+    results: dict[str, Optional[str]] = {}
+    todo: "queue.SimpleQueue[str]" = queue.SimpleQueue()
+    for h in dict.fromkeys(hosts):
+        todo.put(h)
+    done = threading.Event()
+    lock = threading.Lock()
+    wanted = len(set(hosts))
+
+    def work():
+        while True:
+            try:
+                h = todo.get_nowait()
+            except queue.Empty:
+                return
+            addr = _resolve(h)
+            with lock:
+                results[h] = addr
+                if len(results) == wanted:
+                    done.set()
+
+    if wanted:
+        for _ in range(min(workers, wanted)):
+            threading.Thread(target=work, daemon=True).start()
+        done.wait(timeout)
+    with lock:
+        return {h: results.get(h) for h in hosts}
 
 
 def local_networks() -> list[tuple[str, ipaddress.IPv4Network]]:
@@ -71,9 +100,9 @@ def _all_in(ips, net) -> bool:
     return all(ip in net for ip in ips)
 
 
-def infer_shared_subnet(remote_hosts: Sequence[str]) -> Optional[SharedSubnet]:
-    """Resolve the remote hosts and find the local subnet shared by all of them."""
-    resolved = resolve_all(remote_hosts)
+def infer_shared_subnet(remote_hosts: Sequence[str], timeout: float = RESOLVE_TIMEOUT_S) -> Optional[SharedSubnet]:
+    """Resolve the remote hosts (within ``timeout`` in all) and find the local subnet shared by all of them."""
+    resolved = resolve_all(remote_hosts, timeout)
     if any(a is None for a in resolved.values()):
         return None
     return shared_subnet(list(resolved.values()))

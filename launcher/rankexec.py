@@ -113,8 +113,12 @@ def main(argv=None):
     try:
         child = subprocess.Popen(prog, env=env, stdout=stdout, stderr=stderr, preexec_fn=_pdeathsig)
     except OSError as exc:
-        sys.stderr.write(f"{MARKER} rank={rank} host={host} code=127 error={exc.strerror}:{argv[0]}\n")
-        return 127
+        # The shell's convention: 127 for a command that is not there, 126 for one that cannot run.
+        code = 127 if isinstance(exc, FileNotFoundError) else 126
+        why = "command not found" if code == 127 else (exc.strerror or "cannot run").lower()
+        name = argv[0].replace("\n", " ")
+        sys.stderr.write(f"{MARKER} rank={rank} host={host} code={code} start-error={why}; program={name}\n")
+        return code
 
     def forward(signum, _frame):
         try:

@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 from launcher.errors import ExitCode, LaunchError, signal_exit_code, signal_name
 from launcher.rankexec import MARKER
 
-_MARKER_RE = re.compile(re.escape(MARKER) + r" rank=(\S+) host=(\S+) (code|signal)=(-?\d+)")
+_MARKER_RE = re.compile(re.escape(MARKER) + r" rank=(\S+) host=(\S+) (code|signal)=(-?\d+)"
+                        r"(?: start-error=([^;]*); program=(.*))?")
 # Open MPI's own report when no marker was seen (e.g. the program is not wrapped).
 _OMPI_RANK_RE = re.compile(r"Process name:\s+\[[^\]]*?,(\d+)\]")
 _OMPI_CODE_RE = re.compile(r"Exit code:\s+(\d+)")
@@ -38,9 +39,13 @@ class RankFailure:
     host: str
     code: Optional[int] = None
     signum: Optional[int] = None
+    start_error: Optional[str] = None  # the rank wrapper could not start the program ("command not found")
+    program: Optional[str] = None
 
     @property
     def how(self) -> str:
+        if self.start_error:
+            return f"could not start {self.program}: {self.start_error}"
         if self.signum is not None:
             return f"killed by {signal_name(self.signum)}"
         if self.code is None:
@@ -60,10 +65,10 @@ def parse_marker(line: str) -> Optional[RankFailure]:
     m = _MARKER_RE.search(line)
     if not m:
         return None
-    rank, host, kind, value = m.groups()
+    rank, host, kind, value, start_error, program = m.groups()
     if kind == "signal":
         return RankFailure(rank, host, signum=int(value))
-    return RankFailure(rank, host, code=int(value))
+    return RankFailure(rank, host, code=int(value), start_error=start_error, program=(program or "").rstrip() or None)
 
 
 def order_failures(failures: Sequence[RankFailure], reported_rank: Optional[str] = None) -> list[RankFailure]:
@@ -227,7 +232,10 @@ def failure_summary(result: JobResult, log_dir: Optional[str] = None) -> str:
     first = result.failures[0]
     others = len({f.rank for f in result.failures}) - 1
     tail = f" ({others} other rank{'s' if others != 1 else ''} stopped too)" if others > 0 else ""
-    lines = [f"dtrun: job failed: rank {first.rank} on {first.host} {first.how}{tail}",
+    head = f"rank {first.rank} on {first.host} {first.how}"
+    if first.start_error:  # say it the way a shell would: "PROGRAM: command not found on HOST"
+        head = f"{first.program}: {first.start_error} on {first.host} (rank {first.rank})"
+    lines = [f"dtrun: job failed: {head}{tail}",
              "  first failure:",
              f"    rank       : {first.rank}",
              f"    host       : {first.host}",

@@ -1,5 +1,6 @@
 """The CLI as users call it: messages and exit codes for bad input, --dry-run, hosts."""
 import json
+import os
 import time
 
 import pytest
@@ -147,7 +148,10 @@ def test_cluster_file_ssh_settings_reach_the_launcher(tmp_path):
     m = [l for l in p.stdout.splitlines() if "plm_ssh_args" in l]
     assert m, p.stdout
     cfg = m[0].split("'-F ")[1].split("'")[0]
-    text = open(cfg).read()
+    # --dry-run shows the config a launch would write, and writes nothing
+    assert not os.path.exists(cfg) and not (tmp_path / "dtrun").exists()
+    assert f"# a launch first writes {cfg} (--dry-run wrote nothing):" in p.stdout
+    text = "\n".join(l[4:] for l in p.stdout.split(cfg, 1)[1].splitlines()[1:] if l.startswith("#   ")) + "\n"
     assert "Host server4\n  User ops\n  Port 2222\n" in text
     assert "Host server1\n  User mpiuser\n" in text and "IdentityFile" in text
 

@@ -85,10 +85,19 @@ def test_oversubscribe_spelling_per_version():
 
 
 def test_ssh_config_and_no_tree_spawn_per_version():
-    s = spec(ssh_config="/c/ssh config", no_tree_spawn=True)
-    assert "--prtemca plm_ssh_args '-F /c/ssh config' --prtemca plm_ssh_no_tree_spawn 1" in line(build_command(s, OMPI5))
-    assert "--mca plm_rsh_args '-F /c/ssh config' --mca plm_rsh_no_tree_spawn 1" in line(build_command(s, OMPI4))
+    s = spec(ssh_config="/c/ssh_config", no_tree_spawn=True)
+    assert "--prtemca plm_ssh_args '-F /c/ssh_config' --prtemca plm_ssh_no_tree_spawn 1" in line(build_command(s, OMPI5))
+    assert "--mca plm_rsh_args '-F /c/ssh_config' --mca plm_rsh_no_tree_spawn 1" in line(build_command(s, OMPI4))
     assert "-launcher-exec /w/ssh" in line(build_command(spec(ssh_config="/c", ssh_wrapper="/w/ssh"), HYDRA))
+
+
+def test_ssh_config_path_open_mpi_would_split_is_refused():
+    """ORTE and PRRTE split plm_ssh_args on spaces, with no quoting: such a path never reaches them."""
+    from launcher.errors import InvalidValue
+    for bad in ("/c/ssh config", "/x -oProxyCommand=touch", "/c/a\nb"):
+        for flavor in (OMPI4, OMPI5):
+            with pytest.raises(InvalidValue):
+                build_command(spec(ssh_config=bad), flavor)
 
 
 def test_user_env_mca_mpi_args_and_nccl_debug():
