@@ -97,11 +97,13 @@ def ssh_config_path(given: Optional[str], from_cluster_file: Optional[str] = Non
     Raises:
         UsageError: the file named does not exist.
     """
+    from launcher.errors import UsageError
+
     environ = os.environ if environ is None else environ
+    if given is not None and not given.strip():
+        raise UsageError("--ssh-config: empty value")
     path = given or environ.get("DTRUN_SSH_CONFIG") or from_cluster_file
     if path and not os.path.isfile(path):
-        from launcher.errors import UsageError
-
         raise UsageError(f"ssh config {path}: no such file")
     return path or default_ssh_config()
 

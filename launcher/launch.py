@@ -127,8 +127,10 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
     local_only = all_local(selection.hosts)
     for item in opts.env:
         cmd.parse_env_item(item)
-    for key, value in opts.mca:
-        safe.mca_value(safe.mca_key(key), value)
+    for item in opts.mca:
+        if len(item) != 2:
+            raise UsageError("--mca needs two values: --mca KEY VALUE")
+        safe.mca_value(safe.mca_key(item[0]), item[1])
     mpi_args = _mpi_args(opts.mpi_args)
     include, exclude, reason = (), cmd.DEFAULT_EXCLUDE, "default"
     if opts.include_iface and opts.exclude_iface:
@@ -148,6 +150,8 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
         if shared is not None:
             include, reason = (shared.cidr,), (f"the subnet of {shared.iface} routes to every host, "
                                                "inferred on this machine (no preflight)")
+    if opts.ssh_config is not None and not opts.ssh_config.strip():
+        raise UsageError("--ssh-config: empty value")
     base_ssh = opts.ssh_config or environ.get("DTRUN_SSH_CONFIG") or selection.ssh_config
     if base_ssh and not os.path.isfile(base_ssh):
         raise UsageError(f"ssh config {base_ssh}: no such file")
