@@ -83,6 +83,11 @@ def import_paramiko():
         import paramiko
     finally:
         del sys.modules["invoke"]  # anyone else importing invoke later gets the real one
+    # paramiko's transport threads log their own failures (a closed socket after a handshake that
+    # timed out prints a traceback through logging's last-resort handler); dtrun reports each one itself.
+    import logging
+
+    logging.getLogger("paramiko").addHandler(logging.NullHandler())
     return paramiko
 
 
