@@ -175,6 +175,9 @@ def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport
     t_start = time.monotonic()
     flavor = detect_flavor(find_mpirun())
     cfg_path = ssh.ssh_config_path(spec.ssh_config, selection.ssh_config)
+    from launcher.sshconf import job_ssh_files
+
+    job_ssh_files(selection, cfg_path, openmpi=True)  # the config the job would get must be expressible: check now
     runs = [HostRun(h.host, h.slots, is_local(h.host)) for h in selection.hosts]
     launcher_in_list = any(r.local for r in runs)
     helper = None if launcher_in_list else HostRun(network.LAUNCHER, 0, True)

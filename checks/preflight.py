@@ -59,8 +59,10 @@ def cache_key(hosts, ssh_config: Optional[str]) -> str:
 def read_cache(key: str, now: Optional[float] = None) -> Optional[PreflightResult]:
     try:
         data = json.loads((_cache_dir() / f"{key}.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
+    if not isinstance(data, dict) or not isinstance(data.get("time", 0), (int, float)):
+        return None  # not a cache entry dtrun wrote: ignore it, the next good preflight replaces it
     if (now or time.time()) - data.get("time", 0) > CACHE_TTL_S:
         return None
     return PreflightResult((), data.get("include"), data.get("nccl"))

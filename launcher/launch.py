@@ -132,6 +132,9 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
             raise UsageError("--mca needs two values: --mca KEY VALUE")
         safe.mca_value(safe.mca_key(item[0]), item[1])
     mpi_args = _mpi_args(opts.mpi_args)
+    for flag, value in (("--log-dir", opts.log_dir), ("--nccl-debug", opts.nccl_debug)):
+        if value is not None and (not value or any(ord(c) < 32 or ord(c) == 127 for c in value)):
+            raise UsageError(f"{flag} {value!r}: empty, or contains a newline or another control character")
     include, exclude, reason = (), cmd.DEFAULT_EXCLUDE, "default"
     if opts.include_iface and opts.exclude_iface:
         raise UsageError("--include-iface and --exclude-iface cannot be used together (Open MPI rejects both at once)")

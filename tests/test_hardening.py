@@ -281,3 +281,15 @@ def test_x_name_forwards_a_value_without_showing_it(mpirun):
               "echo got=$HD_FORWARDED", env=env, timeout=60)
     assert p.returncode == 0, p.stderr
     assert "got=value-by-name" in p.stdout
+
+
+@pytest.mark.parametrize("content", ["[]", "null", '{"time": "x"}', "{", '"text"'])
+def test_corrupt_preflight_cache_entry_is_ignored(tmp_path, monkeypatch, content):
+    from checks import preflight
+    from launcher.hostfile import HostSlots
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    key = preflight.cache_key((HostSlots("h1"),), None)
+    path = tmp_path / "dtrun" / "preflight" / f"{key}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    assert preflight.read_cache(key) is None
