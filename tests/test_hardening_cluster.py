@@ -186,3 +186,54 @@ def test_keyscan_with_stdin_closed_and_a_file_without_final_newline(cluster3, tm
     assert got[0] == lines[0] and len(got) == 3  # the first entry is intact, each key on its own line
     d = dtrun("doctor", "--ssh-config", cfg, "-H", host_list(cluster3), "--no-e2e", "--timeout", "3", timeout=120)
     assert d.returncode == 0, d.stdout + d.stderr
+
+
+def _cmdlines_with(token):
+    import psutil
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(token in part for part in (proc.info["cmdline"] or [])):
+                found.append(" ".join(proc.info["cmdline"])[:120])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def test_x_name_keeps_the_value_off_every_command_line(cluster3, tmp_path):
+    """All namespace hosts share this machine's process table, so one scan sees every host's processes."""
+    import time
+    secret = f"hd-secret-{os.getpid()}-{time.monotonic_ns()}"
+    env = user_env(HD_BY_NAME=secret, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    prog = "echo RANK $DTRUN_RANK on $(hostname) $HD_BY_NAME; sleep 3"
+    proc = subprocess.Popen([DTRUN, "--ssh-config", str(cluster3.ssh_config), "-H", host_list(cluster3),
+                             "-x", "HD_BY_NAME", "/bin/sh", "-c", prog], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    seen, scans = [], 0
+    try:
+        deadline = time.monotonic() + 90
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen += _cmdlines_with(secret)
+            scans += 1
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert sorted(re.findall(r"RANK (\d) on \S+ (\S+)", out)) == [(str(i), secret) for i in range(3)]
+    assert scans >= 5 and seen == [], seen
+    # The scan does see a value given as -x NAME=VALUE (what README warns about).
+    shown = f"{secret}-shown"
+    proc = subprocess.Popen([DTRUN, "--ssh-config", str(cluster3.ssh_config), "-H", host_list(cluster3),
+                             "-x", f"HD_BY_VALUE={shown}", "/bin/sh", "-c", "sleep 3"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env)
+    visible = []
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline and not visible:
+            visible = _cmdlines_with(shown)
+            time.sleep(0.2)
+    finally:
+        proc.wait(timeout=60)
+    assert visible
