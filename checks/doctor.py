@@ -313,9 +313,9 @@ def _analyse(spec, selection, flavor, runs, helper, cfg_path, launcher_in_list):
 
 def _job_ssh_config(selection, cfg_path: Optional[str]) -> Optional[str]:
     """The ssh config mpirun gets: the user's, plus the cluster file's per-host settings."""
-    from launcher.launch import ssh_config_for
+    from launcher.sshconf import write_job_config
 
-    return ssh_config_for(selection, cfg_path)
+    return write_job_config(selection, cfg_path)
 
 
 def _pairs_phase(spec, runs, helper, rec, ifaces, launcher_ifs, cfg_path, selection, findings, launcher_in_list):

@@ -56,13 +56,6 @@ def warn(msg: str) -> None:
     print(f"dtrun: warning: {msg}", file=sys.stderr)
 
 
-def ssh_config_for(selection: HostSelection, base_config: Optional[str]) -> Optional[str]:
-    """The ssh config mpirun gets (written now): the cluster file's per-host settings, then the base config."""
-    from launcher.sshconf import write_job_config
-
-    return write_job_config(selection, base_config)
-
-
 def resolve_program(program, environ: Mapping[str, str]) -> tuple[str, ...]:
     """The program with its command name made absolute from this shell's PATH.
 

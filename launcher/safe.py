@@ -122,7 +122,8 @@ def seconds(value: float, flag: str, maximum: float = 86400.0) -> float:
     import math
 
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0 or value > maximum:
-        raise InvalidValue(f"{flag} must be a number of seconds above 0 and at most {maximum:g}, got {value}")
+        raise InvalidValue(f"{flag} must be positive and finite (seconds, at most {maximum:g}), got {value:g}"
+                           if isinstance(value, (int, float)) else f"{flag} must be a number of seconds, got {value!r}")
     return float(value)
 
 

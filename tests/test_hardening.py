@@ -169,8 +169,8 @@ def test_malformed_ssh_configs_are_one_line(tmp_path, content, needle):
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
 def test_timeouts_must_be_finite_and_positive(value):
-    one_line_error(dtrun("doctor", "-H", "localhost", "--timeout", value), "--timeout must be a number of seconds")
-    one_line_error(dtrun("keyscan", "--timeout", value, "somehost"), "--timeout must be a number of seconds")
+    one_line_error(dtrun("doctor", "-H", "localhost", "--timeout", value), "--timeout must be positive and finite")
+    one_line_error(dtrun("keyscan", "--timeout", value, "somehost"), "--timeout must be positive and finite")
 
 
 def test_e2e_timeout_must_be_positive():
