@@ -44,7 +44,8 @@ def _show_version(value: bool) -> None:
 def run(
     program: List[str] = typer.Argument(None, help="The program and its arguments (never parsed by dtrun).",
                                         metavar="PROGRAM [ARGS]..."),
-    np: Optional[int] = typer.Option(None, "-np", "-n", "--np", help="Number of ranks (default: total slots)."),
+    np: Optional[str] = typer.Option(None, "-np", "-n", "--np", metavar="N",
+                                     help="Number of ranks (default: total slots)."),
     host_list: Optional[str] = _H,
     hostfile: Optional[str] = _HOSTFILE,
     cluster: Optional[str] = _CLUSTER,

@@ -24,7 +24,7 @@ class LaunchOptions:
     """What the user asked for on the command line, before anything is resolved."""
 
     program: tuple[str, ...]
-    np: Optional[int] = None
+    np: Optional[int | str] = None  # as typed: launcher.safe.count reads it (ASCII digits only)
     host_list: Optional[str] = None
     hostfile: Optional[str] = None
     cluster: Optional[str] = None

@@ -38,7 +38,7 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}")
 _MCA_KEY = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,127}")
 # MCA values reach the daemons' command lines on remote hosts, which ORTE/PRRTE build as shell
 # text: only characters no shell treats specially (plus the space, which they quote).
-_MCA_VALUE = re.compile(r"[A-Za-z0-9_.,:/@^+=%~* -]{0,1024}")
+_MCA_VALUE = re.compile(r"[A-Za-z0-9_.,:/@^+=%~ -]{0,1024}")
 _MCA_WORD = re.compile(r"[A-Za-z0-9_.,:/@^+=%~-]{1,4096}")
 _IFACE = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")  # Linux IFNAMSIZ is 16 with the NUL
 # Characters an ssh_config path value cannot carry literally (see module docstring).
@@ -149,7 +149,7 @@ def mca_key(key: str) -> str:
 def mca_value(key: str, value: str) -> str:
     if not isinstance(value, str) or not _MCA_VALUE.fullmatch(value):
         raise InvalidValue(f"--mca {key}: value {_show(str(value))} has characters Open MPI passes through a remote "
-                           f"shell (allowed: letters, digits, space and _ . , : / @ ^ + = % ~ * -)")
+                           f"shell (allowed: letters, digits, space and _ . , : / @ ^ + = % ~ -)")
     return value
 
 

@@ -74,7 +74,7 @@ def test_mca_keys_and_values():
     for key in ["", "1btl", "a b", "btl\n", "a-b", "a=b", "-x"]:
         with pytest.raises(InvalidValue):
             safe.mca_key(key)
-    for value in ["$(id)", "`id`", "a;b", 'a"b', "a'b", "a\nb", "a|b", "a&b", "a>b", "a\\b"]:
+    for value in ["$(id)", "`id`", "a;b", "*", "a?", 'a"b', "a'b", "a\nb", "a|b", "a&b", "a>b", "a\\b"]:
         with pytest.raises(InvalidValue):
             safe.mca_value("k", value)
 
@@ -205,9 +205,10 @@ def test_hostfile_and_slurm_values_go_through_the_same_gate():
         parse_hostfile("node1 slots=1_0\n", "hf")
     with pytest.raises(HostfileError):
         parse_hostfile("999.1.1.1 slots=2\n", "hf")
-    with pytest.raises(HostfileError) as e:
-        slurm_hosts({"SLURM_JOB_NODELIST": "n[1-100000]"})
-    assert "more than 65536" in str(e.value)
+    for nodelist in ("n[1-100000]", "n[1-99999999999]", "a[1-300]b[1-300]"):
+        with pytest.raises(HostfileError) as e:
+            slurm_hosts({"SLURM_JOB_NODELIST": nodelist})
+        assert "more than 65536" in str(e.value)
     with pytest.raises(HostfileError) as e:
         slurm_hosts({"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "0(x2)"})
     assert str(e.value).startswith("SLURM_TASKS_PER_NODE: '0(x2)' gives no tasks")
