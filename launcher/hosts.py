@@ -12,7 +12,6 @@ from functools import lru_cache
 from typing import Mapping, Optional, Sequence
 
 from launcher.errors import HostfileError, UnknownHostError, UsageError
-from launcher.safe import MAX_RANKS, count
 from launcher.hostfile import (
     HostSlots,
     parse_host_list,
@@ -20,6 +19,7 @@ from launcher.hostfile import (
     read_hostfile,
     slurm_hosts,
 )
+from launcher.safe import MAX_RANKS, count
 
 
 @dataclass(frozen=True)

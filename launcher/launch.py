@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from launcher import command as cmd
+from launcher import safe
 from launcher.errors import ExitCode, UsageError
 from launcher.flavors import Flavor, detect_flavor, find_mpirun
-from launcher import safe
-from launcher.sshconf import job_ssh_files
 from launcher.hosts import HostSelection, all_local, is_local, resolve_hosts, resolve_np
+from launcher.sshconf import job_ssh_files
 
 RANKEXEC = str(Path(__file__).with_name("rankexec.py"))
 
@@ -87,8 +87,7 @@ def _mpi_args(text: Optional[str]) -> tuple[str, ...]:
     except ValueError as exc:
         raise UsageError(f"--mpi-args {text!r}: {exc} (quote it as a shell would)") from None
     for a in args:
-        if any(ord(c) < 32 and c != "\t" for c in a):
-            raise UsageError(f"--mpi-args: argument {a!r} contains a newline or another control character")
+        safe.plain_text(a, "--mpi-args: argument")
     return args
 
 
@@ -126,8 +125,8 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
         safe.mca_value(safe.mca_key(item[0]), item[1])
     mpi_args = _mpi_args(opts.mpi_args)
     for flag, value in (("--log-dir", opts.log_dir), ("--nccl-debug", opts.nccl_debug)):
-        if value is not None and (not value or any(ord(c) < 32 or ord(c) == 127 for c in value)):
-            raise UsageError(f"{flag} {value!r}: empty, or contains a newline or another control character")
+        if value is not None:
+            safe.plain_text(value, flag)
     include, exclude, reason = (), cmd.DEFAULT_EXCLUDE, "default"
     if opts.include_iface and opts.exclude_iface:
         raise UsageError("--include-iface and --exclude-iface cannot be used together (Open MPI rejects both at once)")

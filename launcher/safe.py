@@ -197,6 +197,13 @@ def mca_word(value: str, what: str) -> str:
     return value
 
 
+def plain_text(value: str, what: str) -> str:
+    """A non-empty value without newlines or other control characters (tab allowed)."""
+    if not value or any((ord(c) < 32 and c != "\t") or ord(c) == 127 for c in value):
+        raise InvalidValue(f"{what} {_show(value)}: empty, or contains a newline or another control character")
+    return value
+
+
 def shell_word(value: str) -> str:
     """``value`` quoted for a POSIX shell script (the Hydra launcher wrapper)."""
     if _has_control(value):
