@@ -138,7 +138,6 @@ class Progress:
 def run_doctor(spec: DoctorSpec) -> int:
     """Resolve the hosts, run every check, print the table (or JSON); return the exit code."""
     from launcher.hosts import resolve_hosts
-
     from launcher.safe import seconds
 
     seconds(spec.timeout, "--timeout")
@@ -171,12 +170,11 @@ def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport
     from checks.probe import start_probe
     from launcher.flavors import detect_flavor, find_mpirun
     from launcher.hosts import is_local
+    from launcher.sshconf import job_ssh_files
 
     t_start = time.monotonic()
     flavor = detect_flavor(find_mpirun())
     cfg_path = ssh.ssh_config_path(spec.ssh_config, selection.ssh_config)
-    from launcher.sshconf import job_ssh_files
-
     job_ssh_files(selection, cfg_path, openmpi=True)  # the config the job would get must be expressible: check now
     runs = [HostRun(h.host, h.slots, is_local(h.host)) for h in selection.hosts]
     launcher_in_list = any(r.local for r in runs)

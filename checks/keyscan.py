@@ -98,7 +98,6 @@ def keyscan(spec: KeyscanSpec, stdin: Optional[TextIO] = None, out: Optional[Tex
     """Fetch, show and (after confirmation) record each host's key; 0 when every host ends up known."""
     from checks import ssh
     from launcher.hosts import is_local
-
     from launcher.safe import seconds
 
     stdin = sys.stdin if stdin is None else stdin

@@ -150,7 +150,7 @@ def ssh_target(host, config=None, config_path: Optional[str] = None) -> SshTarge
         opts = config.lookup(name) if config is not None else {}
     except ImportError:  # paramiko needs invoke for 'Match exec'
         raise UsageError(f"ssh config {config_path}: 'Match exec' is not supported by dtrun's ssh checks") from None
-    except Exception as exc:  # paramiko's lookup raises bare errors on values it cannot expand
+    except (ValueError, KeyError, TypeError, IndexError) as exc:  # paramiko on values it cannot expand
         raise UsageError(f"ssh config {config_path}: cannot read the settings for {name} ({exc})") from None
     user = getattr(host, "user", None) or opts.get("user") or _local_user()
     port_text = str(getattr(host, "port", None) or opts.get("port") or 22)
@@ -230,8 +230,8 @@ def read_known_hosts(path: str) -> KnownHostsFile:
             line = line.strip()
         try:
             entry = HostKeyEntry.from_line(line, lineno)
-        except Exception:  # bad base64, a truncated key, ...: OpenSSH skips such lines too
-            entry = None
+        except Exception:  # noqa: BLE001 - paramiko raises SSHException, InvalidHostKey, ValueError,
+            entry = None  # OverflowError, ... on damaged key data; OpenSSH skips such lines, and so does dtrun
         if entry is None:
             skipped.append(f"{path}:{lineno}: not a known_hosts entry dtrun can read")
             continue
@@ -258,7 +258,7 @@ def _name_matches(name: str, patterns) -> bool:
             try:
                 if paramiko.HostKeys.hash_host(name, p) == p:
                     hit = True
-            except Exception:
+            except (ValueError, TypeError, IndexError):  # a damaged hash: no match
                 continue
         elif p.startswith("!"):
             if fnmatch.fnmatchcase(name, p[1:]):

@@ -293,3 +293,29 @@ def test_corrupt_preflight_cache_entry_is_ignored(tmp_path, monkeypatch, content
     path.parent.mkdir(parents=True)
     path.write_text(content)
     assert preflight.read_cache(key) is None
+
+
+def test_damaged_known_hosts_lines_never_stop_the_good_one(tmp_path):
+    """Key data damaged in every way (truncated, flipped bytes, random, bad base64): each line is skipped."""
+    import base64
+    import random
+    rng = random.Random(9)
+    good = paramiko.ECDSAKey.generate()
+    lines = []
+    for _ in range(400):
+        blob = bytearray(good.asbytes())
+        mode = rng.randrange(3)
+        if mode == 0:
+            blob = blob[:rng.randrange(len(blob))]
+        elif mode == 1:
+            for _ in range(rng.randrange(1, 5)):
+                blob[rng.randrange(len(blob))] = rng.randrange(256)
+        else:
+            blob = bytearray(rng.randrange(256) for _ in range(rng.randrange(100)))
+        b64 = base64.b64encode(bytes(blob)).decode()[:rng.randrange(1, 200)] + rng.choice(["", "!", "="])
+        lines.append(f"h1 {rng.choice(['ssh-rsa', 'ssh-ed25519', good.get_name()])} {b64}")
+    kh = tmp_path / "kh"
+    kh.write_text("\n".join(lines) + "\n" + keyscan.known_hosts_line("h1", good))
+    target = ssh.SshTarget("h1", "h1", known_hosts=(str(kh),), global_known_hosts=())
+    known_file, known = ssh.known_host_keys(target)
+    ssh.verify_host_key(target, good, known_file, known)
