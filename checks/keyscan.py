@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
-from checks.errors import CheckError, HostKeyChanged, HostKeyRevoked, HostKeyUnknown, SshProtocolError
+from checks.errors import CheckError, HostKeyChanged, HostKeyRevoked, HostKeyUnknown
 from launcher.errors import ExitCode, UsageError
 
 
@@ -29,19 +29,14 @@ class KeyscanSpec:
 
 def fetch_key(target, timeout: float):
     """The host key ``target`` presents (negotiation only; no authentication is attempted)."""
-    from checks.ssh import import_paramiko, negotiated_key, tcp_connect
+    from checks.ssh import handshake, import_paramiko, tcp_connect
 
     paramiko = import_paramiko()
 
     sock = tcp_connect(target, timeout)
     transport = paramiko.Transport(sock)
     try:
-        transport.banner_timeout = timeout
-        transport.start_client(timeout=timeout)
-        return negotiated_key(transport, target, timeout)
-    except (paramiko.SSHException, EOFError, OSError) as exc:
-        raise SshProtocolError(target.name, f"SSH negotiation with {target.where} failed: {exc or type(exc).__name__}",
-                               f"check sshd on {target.name}") from None
+        return handshake(transport, target, timeout)
     finally:
         transport.close()
 

@@ -527,6 +527,31 @@ def read_until_exit(chan, deadline: float, host: str) -> tuple[bytes, bytes]:
         select.select([chan], [], [], min(left, 0.5))
 
 
+def handshake(transport, target: SshTarget, timeout: float):
+    """SSH negotiation on a connected transport, bounded by ``timeout``; returns the server's host key.
+
+    Raises:
+        SshProtocolError: no greeting, no common algorithm, or no key exchange in time.
+    """
+    paramiko = import_paramiko()
+
+    transport.banner_timeout = timeout
+    try:
+        transport.start_client(timeout=timeout)
+    except (paramiko.SSHException, EOFError, OSError) as exc:
+        what = str(exc) or type(exc).__name__
+        if "banner" in what.lower() or isinstance(exc, (EOFError, socket.timeout)):
+            raise SshProtocolError(
+                target.name,
+                f"TCP to {target.where} connected but no SSH greeting came within {timeout:g} s ({what}): "
+                f"sshd is overloaded, or something else listens on port {target.port}",
+                f"check sshd on {target.name} (journalctl -u ssh) and MaxStartups",
+            ) from None
+        raise SshProtocolError(target.name, f"SSH negotiation with {target.where} failed: {what}",
+                               "compare the ciphers and key types of this ssh client and the host's sshd") from None
+    return negotiated_key(transport, target, timeout)
+
+
 def negotiated_key(transport, target: SshTarget, timeout: float):
     """The server's host key after ``start_client``, which can return on its timeout without raising."""
     paramiko = import_paramiko()
@@ -561,23 +586,9 @@ def connect(target: SshTarget, timeout: float = DEFAULT_TIMEOUT_S) -> SshConnect
     transport = paramiko.Transport(sock)
     ok = False
     try:
-        transport.banner_timeout = timeout
         transport.auth_timeout = timeout
         _prefer_known_types(transport, known)
-        try:
-            transport.start_client(timeout=timeout)
-        except (paramiko.SSHException, EOFError, OSError) as exc:
-            what = str(exc) or type(exc).__name__
-            if "banner" in what.lower() or isinstance(exc, (EOFError, socket.timeout)):
-                raise SshProtocolError(
-                    target.name,
-                    f"TCP to {target.where} connected but no SSH greeting came within {timeout:g} s ({what}): "
-                    f"sshd is overloaded, or something else listens on port {target.port}",
-                    f"check sshd on {target.name} (journalctl -u ssh) and MaxStartups",
-                ) from None
-            raise SshProtocolError(target.name, f"SSH negotiation with {target.where} failed: {what}",
-                                   "compare the ciphers and key types of this ssh client and the host's sshd") from None
-        server_key = negotiated_key(transport, target, timeout)
+        server_key = handshake(transport, target, timeout)
         verify_host_key(target, server_key, known_file, known)
         t_kex = time.monotonic()
         label = authenticate(transport, target)
