@@ -151,5 +151,6 @@ def preflight(opts, selection, flavor, environ: Optional[Mapping[str, str]] = No
                 f"preflight: {n} host{'s' if n != 1 else ''} cannot be reached over ssh without a prompt, so mpirun "
                 f"would hang or fail; `dtrun doctor` with the same host options runs the full checklist, "
                 f"--no-preflight launches anyway")
-        write_cache(key, result)
+        if not getattr(opts, "dry_run", False):  # a dry run changes nothing on disk
+            write_cache(key, result)
     return apply(opts, result, environ)

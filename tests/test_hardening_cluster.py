@@ -237,3 +237,13 @@ def test_x_name_keeps_the_value_off_every_command_line(cluster3, tmp_path):
     finally:
         proc.wait(timeout=60)
     assert visible
+
+
+def test_dry_run_with_the_preflight_writes_nothing(cluster3, tmp_path):
+    """A dry run checks the hosts like a launch, and leaves no preflight cache, flavor cache or ssh config."""
+    cfg = ssh_config_with(cluster3, cluster3.known_hosts, tmp_path / "conf dir" / "ssh config")
+    env = user_env(XDG_CACHE_HOME=str(tmp_path / "cache"))
+    p = dtrun("--dry-run", "--ssh-config", cfg, "-H", host_list(cluster3), "/bin/true", env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert f"# a launch first writes {tmp_path / 'cache' / 'dtrun' / 'ssh' / 'config-'}" in p.stdout
+    assert not (tmp_path / "cache").exists(), sorted(map(str, (tmp_path / "cache").rglob("*")))
