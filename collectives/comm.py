@@ -31,6 +31,7 @@ from . import _OSC_SET
 from . import dtypes as _dt
 from .errors import (CollectiveError, MismatchError, MPIError, NotContiguousError,
                      ShapeError, UnsupportedDtypeError)
+from . import recorder as _rec
 from .handle import Handle
 from .shm import SINGLE_STEP_MAX, ShmReducer
 
@@ -50,6 +51,10 @@ _OP_CODES = {name: i for i, name in enumerate(
     ["allreduce", "reduce", "broadcast", "scatter", "gather", "allgather", "gatherv",
      "allgatherv", "reduce_scatter", "alltoall", "barrier", "grouped_allreduce"])}
 _REDOP_CODES = {None: 0, SUM: 1, PROD: 2, MIN: 3, MAX: 4, AVG: 5}
+_REC_MASK = _rec.MASK
+_REC_COUNT_MAX = (1 << _rec.COUNT_BITS) - 1
+# The process's first Comm over MPI.COMM_WORLD owns the flight recorder.
+_REC_TAKEN = [False]
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -133,6 +138,14 @@ class Comm:
         self._fusion_bufs: dict[np.dtype, np.ndarray] = {}
         self._group_plans: dict[tuple, tuple] = {}
         self._gpu = None  # collectives.gpu.GpuContext, created on first GPU array
+        self._seq = 0
+        self._rec = None  # ring view of the flight recorder, when this Comm owns it
+        self._rec_map = None
+        if not _REC_TAKEN[0] and comm == MPI.COMM_WORLD:
+            ring = _rec.open_ring(self.rank)
+            if ring is not None:
+                _REC_TAKEN[0] = True
+                self._rec_map, self._rec = ring
 
     # ------------------------------------------------------------------ helpers
     def __repr__(self) -> str:
@@ -165,7 +178,8 @@ class Comm:
         return t
 
     def _redop(self, x: np.ndarray, op: str, opname: str) -> tuple:
-        """(mpi type, mpi op, kernel, average-finisher) for dtype and op; cached."""
+        """(mpi type, mpi op, kernel, average-finisher, canonical op, recorder bits of an
+        allreduce of this dtype) for dtype and op; cached."""
         try:
             return self._opcache[(x.dtype, op)]
         except (KeyError, TypeError):
@@ -179,7 +193,8 @@ class Comm:
         if problem:
             raise self._err(UnsupportedDtypeError, opname, problem)
         entry = (t, _dt.mpi_op(x.dtype, canon), _dt.kernel(x.dtype, canon),
-                 _dt.divider(x.dtype, self.size) if canon == AVG else None, canon)
+                 _dt.divider(x.dtype, self.size) if canon == AVG else None, canon,
+                 _rec.OP_BITS["allreduce"] | _rec.dtype_bits(_dt.dtype_name(x.dtype)))
         self._opcache[(x.dtype, op)] = entry
         return entry
 
@@ -243,6 +258,17 @@ class Comm:
         if field == "reduction op":
             return next((str(k) for k, v in _REDOP_CODES.items() if v == value), str(value))
         return str(value)
+
+    def _note(self, opname: str, x: np.ndarray | None, redop: str | None = None,
+              root: int = -1) -> None:
+        """Flight recorder: this rank starts collective ``opname`` (collectives/recorder.py)."""
+        s = self._seq = self._seq + 1
+        i = (s & _REC_MASK) << 1
+        desc = _rec.OP_BITS.get(opname, 0) | _rec.root_bits(root)
+        if x is not None:
+            desc |= _rec.dtype_bits(_dt.dtype_name(x.dtype)) | min(x.size, _REC_COUNT_MAX)
+        self._rec[i + 1] = desc
+        self._rec[i] = s
 
     def _foreign(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Operations on non-NumPy arrays: torch CPU tensors, GPU arrays."""
@@ -333,6 +359,8 @@ class Comm:
     def barrier(self) -> None:
         if self.check:
             self._signature("barrier", None)
+        if self._rec is not None:
+            self._note("barrier", None)
         self.mpi.Barrier()
 
     def allreduce(self, x: Any, op: str = SUM, out: Any = None, inplace: bool = False) -> Any:
@@ -343,11 +371,17 @@ class Comm:
         return self._allreduce(x, op, out, inplace, np)
 
     def _allreduce(self, x, op, out, inplace, xp):
-        t, mop, kern, finish, canon = self._redop(x, op, "allreduce")
+        t, mop, kern, finish, canon, rbits = self._redop(x, op, "allreduce")
         if not x.flags.c_contiguous:
             self._type(x, "allreduce")
         if self.check:
             self._signature("allreduce", x, canon)
+        r = self._rec
+        if r is not None:  # flight recorder, inlined: this is the hot path
+            s = self._seq = self._seq + 1
+            i = (s & _REC_MASK) << 1
+            r[i + 1] = rbits | x.size
+            r[i] = s
         if inplace or out is x:
             out = x
             send = IN_PLACE
@@ -376,10 +410,12 @@ class Comm:
         return self._iallreduce(x, op, out, inplace, np)
 
     def _iallreduce(self, x, op, out, inplace, xp):
-        t, mop, _, finish, canon = self._redop(x, op, "iallreduce")
+        t, mop, _, finish, canon, _ = self._redop(x, op, "iallreduce")
         self._type(x, "iallreduce")
         if self.check:
             self._signature("allreduce", x, canon)
+        if self._rec is not None:
+            self._note("allreduce", x, canon)
         if inplace or out is x:
             out, send = x, IN_PLACE
         else:
@@ -401,10 +437,12 @@ class Comm:
         return self._reduce(x, op, root, out, inplace, np)
 
     def _reduce(self, x, op, root, out, inplace, xp):
-        t, mop, _, finish, canon = self._redop(x, op, "reduce")
+        t, mop, _, finish, canon, _ = self._redop(x, op, "reduce")
         self._type(x, "reduce")
         if self.check:
             self._signature("reduce", x, canon, root)
+        if self._rec is not None:
+            self._note("reduce", x, canon, root)
         is_root = self.rank == root
         if is_root:
             if inplace or out is x:
@@ -428,10 +466,12 @@ class Comm:
         """Non-blocking reduce; ``wait()`` returns the result on root, None elsewhere."""
         if type(x) is not np.ndarray:
             return self._foreign("ireduce", x, op=op, root=root, out=out, inplace=inplace)
-        t, mop, _, finish, canon = self._redop(x, op, "ireduce")
+        t, mop, _, finish, canon, _ = self._redop(x, op, "ireduce")
         self._type(x, "ireduce")
         if self.check:
             self._signature("reduce", x, canon, root)
+        if self._rec is not None:
+            self._note("reduce", x, canon, root)
         if self.rank == root:
             if inplace or out is x:
                 out, send = x, IN_PLACE
@@ -454,6 +494,8 @@ class Comm:
         t = self._type(x, "broadcast")
         if self.check:
             self._signature("broadcast", x, None, root)
+        if self._rec is not None:
+            self._note("broadcast", x, None, root)
         if not (inplace or out is x):
             out = self._out(x, out, x.shape, "broadcast", xp)
             if self.rank == root:
@@ -473,6 +515,8 @@ class Comm:
         t = self._type(x, "ibroadcast")
         if self.check:
             self._signature("broadcast", x, None, root)
+        if self._rec is not None:
+            self._note("broadcast", x, None, root)
         if not (inplace or out is x):
             out = self._out(x, out, x.shape, "ibroadcast")
             if self.rank == root:
@@ -503,11 +547,15 @@ class Comm:
             t = self._type(out, "scatter")
             if self.check:
                 self._signature("scatter", out, None, root)
+            if self._rec is not None:
+                self._note("scatter", out, None, root)
             return self._scatter_call(None, [out, t], root, out)
         t = self._type(x, "scatter")
         rows = self._rows(x, "scatter")
         if self.check:
             self._signature("scatter", x, None, root)
+        if self._rec is not None:
+            self._note("scatter", x, None, root)
         part = x[self.rank * rows:(self.rank + 1) * rows]
         if inplace:
             if is_root:
@@ -537,6 +585,8 @@ class Comm:
         t = self._type(x, "gather")
         if self.check:
             self._signature("gather", x, None, root)
+        if self._rec is not None:
+            self._note("gather", x, None, root)
         is_root = self.rank == root
         try:
             if inplace:
@@ -571,6 +621,8 @@ class Comm:
         t = self._type(x, "allgather")
         if self.check:
             self._signature("allgather", x)
+        if self._rec is not None:
+            self._note("allgather", x)
         try:
             if inplace or out is x:
                 self._rows(x, "allgather")
@@ -590,6 +642,8 @@ class Comm:
         t = self._type(x, "iallgather")
         if self.check:
             self._signature("allgather", x)
+        if self._rec is not None:
+            self._note("allgather", x)
         if inplace or out is x:
             self._rows(x, "iallgather")
             return Handle(self.mpi.Iallgather(IN_PLACE, [x, t]), x, op="iallgather")
@@ -635,6 +689,8 @@ class Comm:
         t = self._type(x, "allgatherv")
         if self.check:
             self._signature("allgatherv", x)
+        if self._rec is not None:
+            self._note("allgatherv", x)
         rows, counts, displs = self._counts(x, "allgatherv")
         out = self._out(x, out, (sum(rows),) + tuple(x.shape[1:]), "allgatherv", xp)
         try:
@@ -653,6 +709,8 @@ class Comm:
         t = self._type(x, "gatherv")
         if self.check:
             self._signature("gatherv", x, None, root)
+        if self._rec is not None:
+            self._note("gatherv", x, None, root)
         rows, counts, displs = self._counts(x, "gatherv")
         try:
             if self.rank == root:
@@ -673,11 +731,13 @@ class Comm:
         return self._reduce_scatter(x, op, out, inplace, np)
 
     def _reduce_scatter(self, x, op, out, inplace, xp):
-        t, mop, _, finish, canon = self._redop(x, op, "reduce_scatter")
+        t, mop, _, finish, canon, _ = self._redop(x, op, "reduce_scatter")
         self._type(x, "reduce_scatter")
         rows = self._rows(x, "reduce_scatter")
         if self.check:
             self._signature("reduce_scatter", x, canon)
+        if self._rec is not None:
+            self._note("reduce_scatter", x, canon)
         try:
             if inplace:
                 self.mpi.Reduce_scatter_block(IN_PLACE, [x, t], mop)
@@ -695,11 +755,13 @@ class Comm:
         """Non-blocking reduce_scatter (MPI_Ireduce_scatter_block)."""
         if type(x) is not np.ndarray:
             return self._foreign("ireduce_scatter", x, op=op, out=out)
-        t, mop, _, finish, canon = self._redop(x, op, "ireduce_scatter")
+        t, mop, _, finish, canon, _ = self._redop(x, op, "ireduce_scatter")
         self._type(x, "ireduce_scatter")
         rows = self._rows(x, "ireduce_scatter")
         if self.check:
             self._signature("reduce_scatter", x, canon)
+        if self._rec is not None:
+            self._note("reduce_scatter", x, canon)
         out = self._out(x, out, (rows,) + tuple(x.shape[1:]), "ireduce_scatter")
         post = (lambda r: (finish(r), r)[1]) if finish is not None else None
         return Handle(self.mpi.Ireduce_scatter_block([x, t], [out, t], mop), out, post,
@@ -717,6 +779,8 @@ class Comm:
         self._rows(x, "alltoall")
         if self.check:
             self._signature("alltoall", x)
+        if self._rec is not None:
+            self._note("alltoall", x)
         try:
             if inplace or out is x:
                 self.mpi.Alltoall(IN_PLACE, [x, t])
@@ -735,6 +799,8 @@ class Comm:
         self._rows(x, "ialltoall")
         if self.check:
             self._signature("alltoall", x)
+        if self._rec is not None:
+            self._note("alltoall", x)
         out = self._out(x, out, x.shape, "ialltoall")
         return Handle(self.mpi.Ialltoall([x, t], [out, t]), out, keep=x, op="ialltoall")
 
@@ -768,6 +834,8 @@ class Comm:
         if self.check:
             sig = np.array([len(arrays), sum(a.size for a in arrays)], dtype=np.int64)
             self._signature("grouped_allreduce", sig)
+        if self._rec is not None:
+            self._note("grouped_allreduce", None)
         for step in plan[0]:
             if len(step) == 1:  # an array reduced on its own
                 self._allreduce(step[0], op, None, True, np)
@@ -779,7 +847,7 @@ class Comm:
                 # Pack straight into this rank's shared slot, unpack straight out of the
                 # shared result: no intermediate fusion buffer at all.
                 rep = self._fusion_rep(dtype)
-                t, mop, kern, finish, _ = self._redop(rep, op, "grouped_allreduce")
+                t, mop, kern, finish, _, _ = self._redop(rep, op, "grouped_allreduce")
                 shm.allreduce_packed(
                     count, dtype, lambda v: datatype.Pack(memory, v, 0, MPI.COMM_SELF),
                     lambda v: datatype.Unpack(v, 0, memory, MPI.COMM_SELF), kern, t, mop,

@@ -14,7 +14,7 @@ import typer
 
 from launcher.errors import DtrunError, ExitCode, UsageError
 
-SUBCOMMANDS = ("hosts", "smoke", "bench", "doctor", "keyscan", "completion")
+SUBCOMMANDS = ("hosts", "smoke", "bench", "doctor", "keyscan", "completion", "stacks")
 _state = {"traceback": False}
 
 run_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
@@ -39,7 +39,7 @@ def _show_version(value: bool) -> None:
 
 @run_app.command(
     context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
-    epilog="Subcommands: dtrun hosts | smoke | bench | doctor | keyscan | completion (each with --help).",
+    epilog="Subcommands: dtrun hosts | smoke | bench | doctor | keyscan | completion | stacks (each with --help).",
 )
 def run(
     program: List[str] = typer.Argument(None, help="The program and its arguments (never parsed by dtrun).",
@@ -66,6 +66,8 @@ def run(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the mpirun command with the reason for each flag; run nothing."),
     no_preflight: bool = typer.Option(False, "--no-preflight", help="Skip the check of ssh and interfaces before a multi-host launch."),
     verbose: bool = typer.Option(False, "--verbose", help="Before launching, print what dtrun decided and why (the --dry-run text, on stderr)."),
+    hang_timeout: Optional[float] = typer.Option(None, "--hang-timeout", help="Report every rank's stack when no rank makes progress for S seconds.", metavar="S"),
+    on_hang: str = typer.Option("report", "--on-hang", help="After the hang report: 'report' (the job goes on) or 'abort' (stop it, exit 125)."),
     traceback: bool = typer.Option(False, "--traceback", help="Show the Python traceback of an error."),
     version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
                                  help="Print dtrun's version and the MPI it would use, then exit."),
@@ -80,7 +82,7 @@ def run(
         include_iface=include_iface, exclude_iface=exclude_iface, env=tuple(env), mca=tuple(_mca_pair(m) for m in mca),
         mpi_args=mpi_args, tag_output=tag_output, log_dir=log_dir, nccl_debug=nccl_debug,
         no_tree_spawn=no_tree_spawn, mpirun=mpirun, ssh_config=ssh_config, dry_run=dry_run,
-        preflight=not no_preflight, verbose=verbose,
+        preflight=not no_preflight, verbose=verbose, hang_timeout=hang_timeout, on_hang=on_hang,
     )
     raise typer.Exit(launch(opts))
 
@@ -147,6 +149,17 @@ def keyscan_cmd(
     from checks.keyscan import KeyscanSpec, keyscan
 
     raise typer.Exit(keyscan(KeyscanSpec(tuple(hosts or ()), host_list, hostfile, cluster, ssh_config, timeout, yes)))
+
+
+@sub_app.command("stacks")
+def stacks_cmd(
+    job: Optional[str] = typer.Argument(None, help="The job's id or dtrun pid (needed when several run)."),
+    timeout: float = typer.Option(5.0, "--timeout", help="Seconds each host may take to answer."),
+):
+    """Print every rank's stack of a running dtrun job, grouped; the job goes on."""
+    from launcher.stackscmd import show_stacks
+
+    raise typer.Exit(show_stacks(job, timeout))
 
 
 # Options that take more than one value. click options take one; dtrun folds

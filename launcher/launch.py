@@ -50,6 +50,8 @@ class LaunchOptions:
     iface_reason: Optional[str] = None
     nccl_socket_ifname: Optional[str] = None
     run_id: Optional[str] = None  # --log-dir: this run's subdirectory (default: time and pid)
+    hang_timeout: Optional[float] = None  # report (or abort) after this many seconds without progress
+    on_hang: str = "report"
 
 
 def warn(msg: str) -> None:
@@ -230,6 +232,26 @@ def start_log_dir(log_dir: str) -> None:
 
 def launch(opts: LaunchOptions) -> int:
     """Run (or with --dry-run, print) the job; return dtrun's exit code."""
+    from launcher.hangwatch import ON_HANG
+
+    if opts.hang_timeout is not None and not opts.hang_timeout > 0:
+        raise UsageError(f"--hang-timeout {opts.hang_timeout:g}: give a number of seconds above 0")
+    if opts.on_hang not in ON_HANG:
+        raise UsageError(f"--on-hang {opts.on_hang!r}: use one of {', '.join(ON_HANG)}")
+    if opts.dry_run or not opts.rank_wrapper:
+        return _launch(opts, None)
+    from dataclasses import replace
+
+    from launcher import jobstate
+
+    job_dir = jobstate.new_dir()  # where ranks leave state for `dtrun stacks` (launcher/rankstate.py)
+    try:
+        return _launch(replace(opts, env=opts.env + (f"DTRUN_JOB_DIR={job_dir}",)), job_dir)
+    finally:
+        jobstate.remove(job_dir)
+
+
+def _launch(opts: LaunchOptions, job_dir: Optional[str]) -> int:
     selection, flavor, spec, groups = prepare(opts)
     if opts.dry_run:
         print(describe(opts, selection, flavor, spec, groups))
@@ -247,7 +269,17 @@ def launch(opts: LaunchOptions) -> int:
     if spec.log_dir:
         start_log_dir(spec.log_dir)
     argv = [a for g in groups for a in g.args]
-    result = run_job(argv)
+    monitor = None
+    if job_dir is not None:
+        from launcher import jobstate
+        from launcher.hangwatch import Monitor
+
+        job = jobstate.write(job_dir, [h.host for h in selection.hosts], spec.np, spec.ssh_config, spec.log_dir,
+                             flavor.label, spec.program)
+        monitor = Monitor(job, opts.hang_timeout, opts.on_hang)
+    result = run_job(argv, monitor=monitor)
+    if result.hung:
+        monitor.kill_leftovers()  # nothing of the stopped job may stay behind on any host
     if result.returncode != 0:
         print(failure_summary(result, spec.log_dir), file=sys.stderr)
     return result.returncode

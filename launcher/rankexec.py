@@ -104,12 +104,21 @@ def main(argv=None):
     rank = env["DTRUN_RANK"]
     host = socket.gethostname()
     prog = with_abort_on_exception(argv)
-    stdout = stderr = None
+    stdout = stderr = log_path = None
     log_dir = env.get("DTRUN_LOG_DIR")
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
-        stdout = open(os.path.join(log_dir, f"rank.{rank}.log"), "ab", buffering=0)
+        log_path = os.path.join(log_dir, f"rank.{rank}.log")
+        stdout = open(log_path, "ab", buffering=0)
         stderr = subprocess.STDOUT
+    # Hang diagnosis (launcher/rankstate.py): state file + faulthandler armed in the program.
+    job_dir = env.get("DTRUN_JOB_DIR")
+    if job_dir:
+        import rankstate
+        if rankstate.prepare(job_dir):
+            prog = rankstate.with_stack_dump(prog, job_dir, rank, env)
+        else:
+            job_dir = None
     try:
         child = subprocess.Popen(prog, env=env, stdout=stdout, stderr=stderr, preexec_fn=_pdeathsig)
     except OSError as exc:
@@ -119,6 +128,8 @@ def main(argv=None):
         name = argv[0].replace("\n", " ")
         sys.stderr.write(f"{MARKER} rank={rank} host={host} code={code} start-error={why}; program={name}\n")
         return code
+    if job_dir:
+        rankstate.write_state(job_dir, rank, host, child.pid, argv, log_path)
 
     def forward(signum, _frame):
         try:
@@ -134,6 +145,8 @@ def main(argv=None):
             break
         except InterruptedError:
             continue
+    if job_dir:
+        rankstate.cleanup(job_dir, rank)
     if rc < 0:
         sys.stderr.write(f"{MARKER} rank={rank} host={host} signal={-rc}\n")
         sys.stderr.flush()

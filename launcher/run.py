@@ -59,6 +59,7 @@ class JobResult:
     mpirun_returncode: int
     failures: list = field(default_factory=list)
     interrupted: bool = False
+    hung: bool = False  # --on-hang abort stopped the job (launcher/hangwatch.py)
 
 
 def parse_marker(line: str) -> Optional[RankFailure]:
@@ -109,9 +110,10 @@ def exit_code_for(mpirun_rc: int, failures: Sequence[RankFailure], interrupted: 
 class _StderrPump(threading.Thread):
     """Copies mpirun's stderr to ours, keeping marker lines back and remembering Open MPI's report."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, on_line=None):
         super().__init__(daemon=True)
         self.stream = stream
+        self.on_line = on_line
         self.failures: list[RankFailure] = []
         self.ompi_report: list[str] = []
 
@@ -126,6 +128,8 @@ class _StderrPump(threading.Thread):
             if ("Process name:" in line or "Exit code:" in line or "exited on signal" in line
                     or "process rank" in line):
                 self.ompi_report.append(line)
+            if self.on_line is not None:
+                self.on_line(line)
             if out is not None:
                 out.write(raw)
                 out.flush()
@@ -150,16 +154,34 @@ class _StderrPump(threading.Thread):
                            signum=int(sig.group(1)) if sig else None)
 
 
-def run_job(argv: Sequence[str], env: Optional[dict] = None) -> JobResult:
-    """Run mpirun with ``argv`` and wait, handling Ctrl-C / SIGTERM. Never uses a shell."""
+def _relay(stream, on_line) -> None:
+    """Copy mpirun's stdout to ours line by line, telling the hang monitor of each line."""
+    out = sys.stdout.buffer
+    for raw in iter(stream.readline, b""):
+        on_line(raw)
+        out.write(raw)
+        out.flush()
+
+
+def run_job(argv: Sequence[str], env: Optional[dict] = None, monitor=None) -> JobResult:
+    """Run mpirun with ``argv`` and wait, handling Ctrl-C / SIGTERM. Never uses a shell.
+
+    ``monitor`` (launcher/hangwatch.Monitor): SIGQUIT prints every rank's stack and the
+    job goes on; with --hang-timeout it watches progress and may stop the job.
+    """
     # mpirun is in its own process group, so reading a terminal would stop it (SIGTTIN).
     stdin = subprocess.DEVNULL if sys.stdin is None or sys.stdin.isatty() else None
+    relay = monitor is not None and monitor.wants_output
     try:
-        proc = subprocess.Popen(list(argv), stdin=stdin, stderr=subprocess.PIPE, env=env, start_new_session=True)
+        proc = subprocess.Popen(list(argv), stdin=stdin, stderr=subprocess.PIPE, env=env, start_new_session=True,
+                                stdout=subprocess.PIPE if relay else None)
     except OSError as exc:
         raise LaunchError(f"cannot start {argv[0]}: {exc.strerror}") from None
-    pump = _StderrPump(proc.stderr)
+    pump = _StderrPump(proc.stderr, monitor.saw_output if monitor is not None else None)
     pump.start()
+    if relay:
+        out_pump = threading.Thread(target=_relay, args=(proc.stdout, monitor.saw_output), daemon=True)
+        out_pump.start()
 
     state = {"stage": 0}  # "signum": the first signal that interrupted dtrun
     lock = threading.Lock()
@@ -197,13 +219,30 @@ def run_job(argv: Sequence[str], env: Optional[dict] = None) -> JobResult:
         if first:
             escalate_later(INTERRUPT_GRACE_S)
 
+    def on_hang_abort():
+        state["hang"] = True
+        escalate()
+        escalate_later(INTERRUPT_GRACE_S)
+
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    if monitor is not None:
+        # SIGQUIT (Ctrl-\\) is a stack dump of every rank here, like a Java thread dump:
+        # the job is NOT stopped. Stop it with Ctrl-C or SIGTERM.
+        old[signal.SIGQUIT] = signal.signal(signal.SIGQUIT, lambda _s, _f: monitor.request_dump("SIGQUIT"))
+        monitor.start(abort=on_hang_abort)
     try:
         proc.wait()  # signals interrupt the wait, run on_signal, and the wait resumes (PEP 475)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        if monitor is not None:
+            monitor.stop()
     pump.join(timeout=5)
+    if relay:
+        out_pump.join(timeout=5)
+    if state.get("hang"):
+        _kill_group(proc.pid)
+        return JobResult(ExitCode.HANG, proc.returncode, [], False, hung=True)
     interrupted = "signum" in state
     if interrupted:
         _kill_group(proc.pid)  # nothing of the job's process group stays behind on this host
@@ -227,6 +266,8 @@ def failure_summary(result: JobResult, log_dir: Optional[str] = None) -> str:
     """One summary line and a short table like torchrun's, for a failed job."""
     if result.interrupted:
         return "dtrun: interrupted; the job was stopped"
+    if result.hung:
+        return f"dtrun: the job made no progress and was stopped (--on-hang abort; exit code {int(ExitCode.HANG)})"
     if not result.failures:
         return f"dtrun: job failed: mpirun exited with code {result.mpirun_returncode}"
     first = result.failures[0]

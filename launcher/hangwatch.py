@@ -1,0 +1,178 @@
+"""Watching a running job: the stack report on SIGQUIT, and on no progress for S seconds.
+
+Progress is a collective of the bundled runtime started on any rank (the flight
+recorders' sequence numbers, read on each host by a ``stackagent.py watch`` process);
+for a job that does not use the runtime, output: lines dtrun relays from any rank, or
+growth of a rank's log under --log-dir. When nothing progressed for ``hang_timeout``
+seconds the monitor prints the roll-call report (launcher/stacks.py) once, and again
+only after progress resumed and stalled anew. ``on_hang="abort"`` then stops the job,
+and dtrun exits with ExitCode.HANG.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+from launcher.jobstate import JobInfo
+
+ON_HANG = ("report", "abort")
+
+
+class Monitor:
+    """One per job: SIGQUIT → report; with ``hang_timeout`` also the watchdog."""
+
+    def __init__(self, job: JobInfo, hang_timeout: Optional[float] = None, on_hang: str = "report",
+                 stacks_timeout: float = 5.0, out: Callable[[str], None] = None):
+        self.job = job
+        self.hang_timeout = hang_timeout
+        self.on_hang = on_hang
+        self.stacks_timeout = stacks_timeout
+        self.out = out or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
+        self.wants_output = hang_timeout is not None  # relay stdout through dtrun to see lines
+        self.hung = False
+        self.reports: list[tuple[str, float]] = []  # (report, seconds from detection to printed)
+        self._abort: Optional[Callable[[], None]] = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._dump = threading.Event()
+        self._dump_reason = ""
+        self._last_output = time.monotonic()
+        self._last_rec = time.monotonic()
+        self._last_log = time.monotonic()
+        self._runtime = False
+        self._seen: dict[str, list] = {}
+        self._agents: list[subprocess.Popen] = []
+        self._threads: list[threading.Thread] = []
+
+    # -- called from run_job
+    def saw_output(self, _line=None) -> None:
+        self._last_output = time.monotonic()
+
+    def request_dump(self, reason: str) -> None:
+        """From a signal handler: only sets a flag; the monitor thread does the work."""
+        self._dump_reason = reason
+        self._dump.set()
+
+    def start(self, abort: Callable[[], None]) -> None:
+        self._abort = abort
+        t0 = time.monotonic()
+        self._last_output = self._last_rec = self._last_log = t0
+        if self.hang_timeout is not None:
+            self._start_watchers()
+        t = threading.Thread(target=self._loop, name="dtrun-monitor", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._dump.set()
+        for p in self._agents:
+            if p.poll() is None:
+                p.kill()
+            try:
+                p.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+        for t in self._threads:
+            t.join(timeout=1)
+
+    # -- progress
+    def _start_watchers(self) -> None:
+        from launcher.stacks import agent_argv
+
+        interval = max(0.2, min(1.0, self.hang_timeout / 5))
+        for host in dict.fromkeys(self.job.hosts):
+            try:
+                p = subprocess.Popen(agent_argv(self.job, host, "watch", interval), stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True,
+                                     start_new_session=True)
+            except OSError:
+                continue
+            self._agents.append(p)
+            t = threading.Thread(target=self._read_watch, args=(p,), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _read_watch(self, p: subprocess.Popen) -> None:
+        for line in p.stdout:
+            try:
+                data = json.loads(line)
+            except ValueError:
+                continue
+            now = time.monotonic()
+            with self._lock:
+                for rank, (seq, log) in data.get("ranks", {}).items():
+                    prev = self._seen.get(rank)
+                    if seq is not None:
+                        self._runtime = True
+                    if prev is None or (seq is not None and seq != prev[0]):
+                        self._last_rec = now
+                    if log is not None and (prev is None or log != prev[1]):
+                        self._last_log = now
+                    self._seen[rank] = [seq, log]
+
+    def last_progress(self) -> float:
+        with self._lock:
+            if self._runtime:
+                return self._last_rec
+            return max(self._last_output, self._last_log)
+
+    # -- the loop
+    def _loop(self) -> None:
+        fired_at: Optional[float] = None
+        while not self._stop.is_set():
+            woke = self._dump.wait(0.2)
+            if self._stop.is_set():
+                return
+            if woke:
+                self._dump.clear()
+                self._report(f"stacks ({self._dump_reason}): the job goes on.", time.monotonic())
+                continue
+            if self.hang_timeout is None:
+                continue
+            last = self.last_progress()
+            now = time.monotonic()
+            if fired_at is not None and last > fired_at:
+                fired_at = None  # progress resumed: a new stall will be reported again
+            if fired_at is None and now - last >= self.hang_timeout:
+                fired_at = now
+                what = "collectives" if self._runtime else "output"
+                self._report(f"hang: no progress for {now - last:.0f} s (no {what} from any rank).", now)
+                if self.on_hang == "abort":
+                    self.hung = True
+                    self.out("dtrun: --on-hang abort: stopping the job")
+                    if self._abort:
+                        self._abort()
+                    return
+
+    def _report(self, headline: str, detected: float) -> None:
+        from launcher.stacks import report
+
+        try:
+            text, _path, _answers = report(self.job, headline, self.stacks_timeout)
+        except Exception as exc:  # the report must never take the job down
+            text = f"{headline}\n  (could not collect stacks: {type(exc).__name__}: {exc})"
+        took = time.monotonic() - detected
+        self.out(f"dtrun: {text}\n  (collected in {took:.2f} s)")
+        self.reports.append((text, took))
+
+    def kill_leftovers(self) -> None:
+        """After an abort: SIGKILL any rank the job directory still lists, on every host."""
+        from launcher.stacks import agent_argv
+
+        procs = []
+        for host in dict.fromkeys(self.job.hosts):
+            try:
+                procs.append(subprocess.Popen(agent_argv(self.job, host, "kill", 5), stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL))
+            except OSError:
+                pass
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
