@@ -27,6 +27,7 @@ AGENT = str(Path(__file__).with_name("stackagent.py"))
 _RUNTIME_DIR = str(Path(__file__).resolve().parent.parent / "collectives") + os.sep
 _LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/mpi4py/", "<frozen ")
 _CALL_RE = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
+_KEYWORDS = {"if", "elif", "while", "for", "return", "switch", "sizeof", "not", "and", "or", "assert", "print"}
 # Operations whose dtype and count must agree on every rank (rooted scatter/gather differ by design).
 _SAME_SHAPE_OPS = {"allreduce", "reduce", "broadcast", "allgather", "alltoall", "reduce_scatter"}
 
@@ -89,7 +90,8 @@ def collect(job: JobInfo, timeout: float = 5.0, via: Optional[str] = None) -> li
 
 def _is_library(path: str) -> bool:
     return (path.startswith(_RUNTIME_DIR) or any(m in path for m in _LIBRARY_MARKERS)
-            or bool(re.search(r"/lib/python3\.\d+/", path)) or path.startswith("/usr/"))
+            or bool(re.search(r"/lib/python3\.\d+/", path)) or path.startswith(("/usr/", "/lib/", "/lib64/"))
+            or ".so" in os.path.basename(path))
 
 
 def _main_thread(rank: dict) -> Optional[dict]:
@@ -111,24 +113,28 @@ def where(rank: dict) -> dict:
     if t is None:
         return info
     frames = t["frames"]
-    coll = None
+    coll = inner = None
     for fr in frames:  # innermost first
         path = fr.get("file", "")
         if path.startswith(_RUNTIME_DIR):
             # The outermost runtime frame wins (the public method); py-spy says "Comm._allreduce".
             coll = fr["func"].rsplit(".", 1)[-1].lstrip("_")
             continue
-        if _is_library(path) and path != "<string>":
+        if (_is_library(path) and path != "<string>") or not fr.get("line"):
+            inner = fr["func"]  # the library function the user's line called (native: sleep, MPI_Barrier)
             continue
         info["user"] = fr
         break
     if info["user"] is None and frames:
         info["user"] = frames[0]
+        inner = None
     info["collective"] = coll
     code = (info["user"] or {}).get("code") or ""
-    m = _CALL_RE.search(code)
-    if m and not code.startswith(("def ", "class ")):
-        info["call"] = m.group(1)
+    calls = [c for c in _CALL_RE.findall(code) if c not in _KEYWORDS]
+    if inner is not None:
+        info["call"] = inner.rsplit(".", 1)[-1] if rank.get("source") != "gdb" else inner
+    elif calls and not code.startswith(("def ", "class ")):
+        info["call"] = calls[0]  # a builtin (time.sleep, MPI's Barrier) has no frame of its own
     return info
 
 
@@ -151,9 +157,6 @@ def describe(rank: dict) -> str:
     if w["collective"]:
         seq = f" #{head['seq']}" if head and head["op"] == w["collective"] else ""
         return f"in {w['collective']}{seq} at {at}"
-    if rank.get("source") == "gdb":
-        inner = (_main_thread(rank) or {"frames": [{}]})["frames"][0].get("func", "?")
-        return f"in {inner} at {at}"
     if w["call"]:
         return f"in {w['call']} at {at}"
     return f"at {at}"
