@@ -235,7 +235,8 @@ def gdb_stacks(pid, timeout):
     threads, cur = [], None
     for line in p.stdout.splitlines():
         if line.startswith("Thread "):
-            cur = {"name": line.split("(")[0].strip(), "main": not threads, "frames": []}
+            lwp = re.search(r"LWP (\d+)", line)
+            cur = {"name": line.split("(")[0].strip(), "main": bool(lwp) and int(lwp.group(1)) == pid, "frames": []}
             threads.append(cur)
             continue
         m = _GDB_FRAME.match(line)
@@ -283,8 +284,8 @@ def describe_rank(job_dir, st, timeout, via="auto"):
         for t in threads:
             for fr in t["frames"]:
                 f = fr.get("file", "")
-                if cwd and f and not f.startswith(("/", "<")):
-                    fr["file"] = os.path.join(cwd, f)  # py-spy and faulthandler print paths as given
+                if cwd and f and not f.startswith(("/", "<")) and os.path.exists(os.path.join(cwd, f)):
+                    fr["file"] = os.path.join(cwd, f)  # py-spy, faulthandler and gdb print paths as given
             for fr in t["frames"][:12]:
                 if fr.get("line") and fr.get("file", "").startswith("/"):
                     fr["code"] = source_line(fr["file"], fr["line"])

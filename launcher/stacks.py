@@ -91,7 +91,8 @@ def collect(job: JobInfo, timeout: float = 5.0, via: Optional[str] = None) -> li
 def _is_library(path: str) -> bool:
     return (path.startswith(_RUNTIME_DIR) or any(m in path for m in _LIBRARY_MARKERS)
             or bool(re.search(r"/lib/python3\.\d+/", path)) or path.startswith(("/usr/", "/lib/", "/lib64/"))
-            or ".so" in os.path.basename(path))
+            or ".so" in os.path.basename(path)
+            or not path.startswith(("/", "<string>")))  # not on this disk: a system library's debug path
 
 
 def _main_thread(rank: dict) -> Optional[dict]:
