@@ -43,6 +43,7 @@ bench: setup
 	$(BIN)/python benchmarks/bench_launch.py
 	@if [ -f benchmarks/bench_collectives.py ]; then $(BIN)/python benchmarks/bench_collectives.py; fi
 	@if [ -f benchmarks/bench_doctor.py ]; then $(BIN)/python benchmarks/bench_doctor.py; fi
+	$(BIN)/python benchmarks/bench_hang.py
 
 cluster-up: setup
 	$(BIN)/python -m tests.nscluster up $(N)
