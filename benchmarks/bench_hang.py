@@ -2,7 +2,8 @@
 
 1. Report time: on namespace hosts (tests/nscluster.py; needs root), a job of 6 ranks
    (3 hosts x 2) and of 16 ranks (4 hosts x 4) where one rank sleeps before an allreduce
-   the others are in; ``dtrun --hang-timeout 5 --on-hang abort``. dtrun prints how long
+   the others are in; ``dtrun --hang-timeout S --on-hang abort`` (S = 5 s per rank and host: starting 16 ranks
+   on this 2-core machine can take longer than 5 s, which would rightly count as no progress). dtrun prints how long
    the collection took after it detected the hang ("collected in X s"); medians of
    BENCH_REPS runs, with py-spy and with the ranks' faulthandler (DTRUN_NO_PYSPY=1).
 2. Recorder overhead: 2 ranks on this host, 8-byte allreduce, the same Comm with its
@@ -73,7 +74,7 @@ def report_time(cluster, slots, via: str) -> float:
         hosts = ",".join(f"{h.name}:{slots}" for h in cluster.hosts)
         extra = {"DTRUN_NO_PYSPY": "1"} if via == "faulthandler" else {}
         p = subprocess.run([DTRUN, "--ssh-config", str(cluster.ssh_config), "-H", hosts, "--oversubscribe",
-                            "--hang-timeout", "5", "--on-hang", "abort", "python", str(script)],
+                            "--hang-timeout", str(5 * slots), "--on-hang", "abort", "python", str(script)],
                            capture_output=True, text=True, env=env(**extra), cwd=REPO, timeout=300)
     m = re.search(r"collected in ([\d.]+) s", p.stderr)
     if p.returncode != 125 or not m or f"rank {cluster.n * slots - 2} on" not in p.stderr:

@@ -11,6 +11,7 @@ and dtrun exits with ExitCode.HANG.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -79,6 +80,29 @@ class Monitor:
                 pass
         for t in self._threads:
             t.join(timeout=1)
+
+    # -- the same, as a job observer of run_job (on_start / on_output / on_signal / on_end)
+    def on_start(self, job) -> None:
+        self.start(abort=lambda: job.stop("no progress (--on-hang abort)"))
+
+    def on_output(self, _stream, _data) -> None:
+        self.saw_output()
+
+    def on_rank_start(self, _rank, _host) -> None:
+        pass
+
+    def on_rank_exit(self, _failure) -> None:
+        pass
+
+    def on_signal(self, signum: int) -> bool:
+        """SIGQUIT (Ctrl-\\) is the stack dump: handled here, so the job is not stopped."""
+        if signum == signal.SIGQUIT:
+            self.request_dump("SIGQUIT")
+            return True
+        return False
+
+    def on_end(self, _result) -> None:
+        self.stop()
 
     # -- progress
     def _start_watchers(self) -> None:
