@@ -10,7 +10,7 @@ on every host, local to each host):
 * ``rank.N.stack``: where Python's faulthandler writes every thread's stack when the rank
   receives ``dump_signal()``; ``rank.N.stack.armed`` says it is listening ("PID SIGNUM").
 
-faulthandler is armed by a few lines run before the program (``BOOT``), in place of
+faulthandler is armed by a few lines run before the program (``BOOT``), ahead of
 ``-m mpi4py``: its handler is C code, so it dumps even while the rank is blocked inside
 an MPI call, where a Python-level signal handler would never run. The signal is a
 real-time one that MPI launchers do not use (Open MPI forwards SIGUSR1/SIGUSR2 to ranks,
@@ -42,6 +42,8 @@ BOOT = (
     "        pass\n"
     "_dtrun_arm()\n"
     "del _dtrun_arm\n"
+    "if sys.argv[1:3] == ['-m', 'mpi4py']:\n"  # kept on the command line for ps and tools
+    "    del sys.argv[1:3]\n"
     "import runpy\n"
     "runpy.run_module('mpi4py', run_name='__main__', alter_sys=True)\n"
 ) % DUMP_SIGNAL_OFFSET
@@ -58,7 +60,10 @@ def paths(job_dir, rank):
 
 
 def with_stack_dump(prog, job_dir, rank, env):
-    """``python ... -m mpi4py REST`` → ``python ... -c BOOT REST`` with the dump file in env.
+    """``python ... -m mpi4py REST`` → ``python ... -c BOOT -m mpi4py REST`` with the dump file in env.
+
+    BOOT drops the ``-m mpi4py`` it finds in sys.argv; it stays in the command line so that
+    ps (and tools that look for it) still show what runs.
 
     Programs that do not run under ``-m mpi4py`` (not Python, another Python) are
     returned unchanged: py-spy, gdb and /proc still describe them.
@@ -66,7 +71,7 @@ def with_stack_dump(prog, job_dir, rank, env):
     for i in range(1, len(prog) - 1):
         if prog[i] == "-m" and prog[i + 1] == "mpi4py":
             env["DTRUN_STACK_FILE"] = paths(job_dir, rank)["stack"]
-            return prog[:i] + ["-c", BOOT] + prog[i + 2:]
+            return prog[:i] + ["-c", BOOT] + prog[i:]
     return prog
 
 

@@ -112,7 +112,7 @@ def test_faulthandler_boot_dumps_a_blocked_program(tmp_path):
     script.write_text("import threading\n\ndef wait_forever():\n    threading.Event().wait(60)\n\nwait_forever()\n")
     env = dict(user_env(), DTRUN_JOB_DIR=str(tmp_path))
     prog = rankstate.with_stack_dump([PYTHON, "-m", "mpi4py", str(script)], str(tmp_path), 0, env)
-    assert prog[1:3] == ["-c", rankstate.BOOT] and prog[3] == str(script)
+    assert prog[1:] == ["-c", rankstate.BOOT, "-m", "mpi4py", str(script)]
     p = subprocess.Popen(prog, env=env, cwd=tmp_path)
     try:
         armed = tmp_path / "rank.0.stack.armed"
