@@ -389,6 +389,7 @@ OMPI4, HYDRA = "/usr/bin/mpirun.openmpi", "/usr/bin/mpiexec.mpich"
 
 @pytest.mark.cluster
 @pytest.mark.mpi
+@pytest.mark.flavor
 @pytest.mark.parametrize("mpirun, mpicc, multihost", [(OMPI4, "mpicc.openmpi", True), (HYDRA, "mpicc.mpich", False)])
 def test_native_hang_under_system_mpi(request, tmp_path, mpirun, mpicc, multihost):
     """A C program (no Python): named by gdb's stacks, state and wchan, on Open MPI 4 and MPICH.
