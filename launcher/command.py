@@ -45,6 +45,7 @@ class LaunchSpec:
     mpi_args: tuple[str, ...] = ()
     tag_output: bool = False
     log_dir: Optional[str] = None
+    job_dir: Optional[str] = None  # where ranks leave state for `dtrun stacks` (launcher/rankstate.py)
     nccl_debug: Optional[str] = None
     nccl_socket_ifname: Optional[str] = None  # the preflight's choice for NCCL (reason: iface_reason)
     no_tree_spawn: bool = False
@@ -99,6 +100,9 @@ def _env_list(spec: LaunchSpec) -> list[tuple[str, Optional[str], str]]:
         out.append(("NCCL_DEBUG", spec.nccl_debug, "--nccl-debug"))
     if spec.log_dir:
         out.append(("DTRUN_LOG_DIR", spec.log_dir, "--log-dir: this run's own directory (DIR/latest points to it); each rank writes rank.N.log there"))
+    if spec.job_dir:
+        out.append(("DTRUN_JOB_DIR", spec.job_dir, "each rank leaves its pid, stacks and flight recorder there "
+                                                   "for dtrun stacks and --hang-timeout"))
     for name, value in user.items():
         out = [e for e in out if e[0] != name]
         out.append((name, value, "-x from the command line"))

@@ -51,6 +51,7 @@ class LaunchOptions:
     nccl_socket_ifname: Optional[str] = None
     run_id: Optional[str] = None  # --log-dir: this run's subdirectory (default: time and pid)
     hang_timeout: Optional[float] = None  # report (or abort) after this many seconds without progress
+    job_dir: Optional[str] = None  # set by launch(), never from the command line
     on_hang: str = "report"
 
 
@@ -171,6 +172,7 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
         mpi_args=mpi_args,
         tag_output=tag,
         log_dir=os.path.join(os.path.abspath(opts.log_dir), opts.run_id or new_run_id()) if opts.log_dir else None,
+        job_dir=opts.job_dir,
         nccl_debug=opts.nccl_debug,
         nccl_socket_ifname=opts.nccl_socket_ifname if include else None,
         no_tree_spawn=opts.no_tree_spawn,
@@ -246,7 +248,7 @@ def launch(opts: LaunchOptions) -> int:
 
     job_dir = jobstate.new_dir()  # where ranks leave state for `dtrun stacks` (launcher/rankstate.py)
     try:
-        return _launch(replace(opts, env=opts.env + (f"DTRUN_JOB_DIR={job_dir}",)), job_dir)
+        return _launch(replace(opts, job_dir=job_dir), job_dir)
     finally:
         jobstate.remove(job_dir)
 

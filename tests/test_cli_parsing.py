@@ -141,4 +141,7 @@ def test_verbose_shows_the_decisions_then_runs():
     assert err[0].startswith("dtrun: # Open MPI 5.") and "2 ranks on 1 host from -H" in err[0]
     assert any("# no core pinning" in line for line in err)
     dry = dtrun("--dry-run", "-np", "2", "-H", "localhost:2", "python", "-c", "print('ran')")
-    assert [line[len("dtrun: "):] for line in err if line.startswith("dtrun: ")] == dry.stdout.splitlines()
+    # The real launch also hands the ranks its job directory (for dtrun stacks); a dry run makes none.
+    assert [line[len("dtrun: "):] for line in err if line.startswith("dtrun: ") and "DTRUN_JOB_DIR=" not in line] \
+        == dry.stdout.splitlines()
+    assert any(re.search(r"-x DTRUN_JOB_DIR=\S+/jobs/\S+ +# each rank leaves its pid", line) for line in err)
