@@ -332,7 +332,7 @@ import collectives
 c = collectives.init()
 x = np.ones(8, np.float32)
 print("up", flush=True)
-for _ in range(60):
+for _ in range(100):  # about 15 s: long enough for dtrun stacks and then SIGQUIT on a loaded machine
     c.allreduce(x)
     time.sleep(0.15)
 print("done", c.rank, flush=True)
