@@ -119,11 +119,12 @@ def main(argv=None):
             prog = rankstate.with_stack_dump(prog, job_dir, rank, env)
         else:
             job_dir = None
-    # close_fds=False: MPI launchers hand each rank inherited descriptors (Hydra's PMI_FD,
-    # PMIx's); closing them makes MPI_Init fail ("PMI_Get_appnum returned -1" under MPICH).
+    # Hydra hands each rank its PMI socket as an inherited descriptor (PMI_FD); closing it
+    # makes MPI_Init fail ("PMI_Get_appnum returned -1" under MPICH). Only that one is kept.
+    pmi_fd = env.get("PMI_FD", "")
     try:
         child = subprocess.Popen(prog, env=env, stdout=stdout, stderr=stderr, preexec_fn=_pdeathsig,
-                                 close_fds=False)
+                                 pass_fds=(int(pmi_fd),) if pmi_fd.isdigit() else ())
     except OSError as exc:
         # The shell's convention: 127 for a command that is not there, 126 for one that cannot run.
         code = 127 if isinstance(exc, FileNotFoundError) else 126
