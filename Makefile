@@ -44,6 +44,7 @@ bench: setup
 	@if [ -f benchmarks/bench_collectives.py ]; then $(BIN)/python benchmarks/bench_collectives.py; fi
 	@if [ -f benchmarks/bench_doctor.py ]; then $(BIN)/python benchmarks/bench_doctor.py; fi
 	$(BIN)/python benchmarks/bench_hang.py
+	@if [ "$$(id -u)" = 0 ]; then $(BIN)/python benchmarks/bench_output.py; else echo "bench_output: needs root (namespace hosts)"; fi
 
 cluster-up: setup
 	$(BIN)/python -m tests.nscluster up $(N)

@@ -5,8 +5,10 @@ no prompt) and the interfaces of every host (``ip -j addr`` over that connection
 from which the subnet every host shares is chosen, as ``dtrun doctor`` would. A
 host that cannot be reached this way would make mpirun hang or stop at a prompt,
 so dtrun refuses to launch and prints why (``--no-preflight`` skips all this). A
-passing result is cached for a few minutes per host set, so repeated launches pay
-for it once.
+passing result (the interface choice, the expensive part) is cached for a few
+minutes per host set; the cheap part, a TCP connection to every host's sshd that
+must answer with its SSH banner, runs on every launch, so a host that went dark
+since the last launch stops the launch within the timeout instead of hanging mpirun.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class PreflightResult:
     findings: tuple[Finding, ...] = ()
     include: Optional[str] = None  # CIDR for MPI and its runtime
     nccl: Optional[str] = None  # NCCL_SOCKET_IFNAME value
+    host_ifaces: tuple = ()  # (host, ((iface, addr/prefix), ...)) for every remote host
 
     @property
     def failed(self) -> list[Finding]:
@@ -65,7 +68,11 @@ def read_cache(key: str, now: Optional[float] = None) -> Optional[PreflightResul
         return None  # not a cache entry dtrun wrote: ignore it, the next good preflight replaces it
     if (now or time.time()) - data.get("time", 0) > CACHE_TTL_S:
         return None
-    return PreflightResult((), data.get("include"), data.get("nccl"))
+    try:
+        ifaces = tuple((str(h), tuple((str(n), str(a)) for n, a in items)) for h, items in data.get("host_ifaces", ()))
+    except (TypeError, ValueError):
+        return None
+    return PreflightResult((), data.get("include"), data.get("nccl"), ifaces)
 
 
 def write_cache(key: str, result: PreflightResult) -> None:
@@ -73,7 +80,8 @@ def write_cache(key: str, result: PreflightResult) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"time": time.time(), "include": result.include, "nccl": result.nccl}))
+        tmp.write_text(json.dumps({"time": time.time(), "include": result.include, "nccl": result.nccl,
+                                   "host_ifaces": result.host_ifaces}))
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache costs the next launch another preflight
@@ -104,6 +112,8 @@ def check(hosts, ssh_config: Optional[str], timeout: float = TIMEOUT_S) -> Prefl
             conn.close()
     if findings or len(ifaces) < len(remote):
         return PreflightResult(tuple(findings))
+    host_ifaces = tuple((name, tuple((i.name, str(n)) for i in found for n in i.networks))
+                        for name, found in ifaces.items())
     mine = network.local_interfaces()
     launcher = mine
     for h in hosts:
@@ -111,8 +121,46 @@ def check(hosts, ssh_config: Optional[str], timeout: float = TIMEOUT_S) -> Prefl
             ifaces[h.host], launcher = mine, None
     rec = network.recommend(ifaces, launcher, reached)
     if rec is None or not rec.launcher_on_it:
-        return PreflightResult(tuple(findings))
-    return PreflightResult(tuple(findings), rec.cidr, rec.nccl_socket_ifname)
+        return PreflightResult(tuple(findings), host_ifaces=host_ifaces)
+    return PreflightResult(tuple(findings), rec.cidr, rec.nccl_socket_ifname, host_ifaces)
+
+
+def _ssh_banner(target, timeout: float) -> str:
+    """Connect to the host's sshd and read its banner line: the cheap proof that it is alive."""
+    from checks import ssh
+    from checks.errors import SshProtocolError
+
+    sock = ssh.tcp_connect(target, timeout)
+    try:
+        sock.settimeout(timeout)
+        data = b""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in data and len(data) < 1024 and time.monotonic() < deadline:
+            chunk = sock.recv(256)
+            if not chunk:
+                break
+            data += chunk
+    except OSError:
+        pass
+    finally:
+        sock.close()
+    if not data.startswith(b"SSH-"):
+        raise SshProtocolError(
+            target.name, f"{target.where} accepted TCP but sent no SSH banner within {timeout:g} s: sshd is hung, "
+                         f"or something else listens on port {target.port}",
+            f"restart sshd on {target.name}, or check the Port in the ssh config")
+    return data.decode("ascii", "replace").strip()
+
+
+def reachable(hosts, ssh_config: Optional[str], timeout: float = TIMEOUT_S) -> tuple[Finding, ...]:
+    """A finding for every remote host whose sshd does not answer within ``timeout`` (all in parallel)."""
+    from checks import ssh
+    from launcher.hosts import is_local
+
+    config = ssh.load_ssh_config(ssh_config)
+    targets = [ssh.ssh_target(h, config, ssh_config) for h in hosts if not is_local(h.host)]
+    answers = ssh.fan_out(targets, lambda t: _ssh_banner(t, timeout))
+    return tuple(from_error("ssh", a) for a in answers.values() if isinstance(a, CheckError))
 
 
 def apply(opts, result: PreflightResult, environ: Mapping[str, str]):
@@ -126,6 +174,8 @@ def apply(opts, result: PreflightResult, environ: Mapping[str, str]):
     user_nccl = "NCCL_SOCKET_IFNAME" in environ or any(e.split("=", 1)[0] == "NCCL_SOCKET_IFNAME" for e in opts.env)
     if result.nccl and not user_nccl and not opts.exclude_iface and opts.include_iface == result.include:
         opts = replace(opts, nccl_socket_ifname=result.nccl)
+    if result.host_ifaces:
+        opts = replace(opts, host_ifaces=result.host_ifaces)
     return opts
 
 
@@ -141,16 +191,20 @@ def preflight(opts, selection, flavor, environ: Optional[Mapping[str, str]] = No
     cfg = ssh_config_path(opts.ssh_config, selection.ssh_config, environ)
     key = cache_key(selection.hosts, cfg)
     result = read_cache(key)
-    if result is None:
+    if result is not None:
+        dark = reachable(selection.hosts, cfg)
+        if dark:
+            result = PreflightResult(dark)
+    else:
         result = check(selection.hosts, cfg)
-        if result.failed:
-            for f in result.failed:
-                print(f"dtrun: preflight: {f.message}", file=sys.stderr)
-            n = len({f.host for f in result.failed})
-            raise PreflightError(
-                f"preflight: {n} host{'s' if n != 1 else ''} cannot be reached over ssh without a prompt, so mpirun "
-                f"would hang or fail; `dtrun doctor` with the same host options runs the full checklist, "
-                f"--no-preflight launches anyway")
-        if not getattr(opts, "dry_run", False):  # a dry run changes nothing on disk
+        if not result.failed and not getattr(opts, "dry_run", False):  # a dry run changes nothing on disk
             write_cache(key, result)
+    if result.failed:
+        for f in result.failed:
+            print(f"dtrun: preflight: {f.message}", file=sys.stderr)
+        n = len({f.host for f in result.failed})
+        raise PreflightError(
+            f"preflight: {n} host{'s' if n != 1 else ''} cannot be reached over ssh without a prompt, so mpirun "
+            f"would hang or fail; `dtrun doctor` with the same host options runs the full checklist, "
+            f"--no-preflight launches anyway")
     return apply(opts, result, environ)

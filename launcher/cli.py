@@ -68,6 +68,8 @@ def run(
     verbose: bool = typer.Option(False, "--verbose", help="Before launching, print what dtrun decided and why (the --dry-run text, on stderr)."),
     hang_timeout: Optional[float] = typer.Option(None, "--hang-timeout", help="Report every rank's stack when no rank makes progress for S seconds.", metavar="S"),
     on_hang: str = typer.Option("report", "--on-hang", help="After the hang report: 'report' (the job goes on) or 'abort' (stop it, exit 125)."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop the job after this many seconds (exit 124)."),
+    start_timeout: float = typer.Option(120.0, "--start-timeout", help="Stop the job if some ranks have not started after this many seconds, naming their hosts (exit 124; 0: no limit)."),
     traceback: bool = typer.Option(False, "--traceback", help="Show the Python traceback of an error."),
     version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
                                  help="Print dtrun's version and the MPI it would use, then exit."),
@@ -83,6 +85,7 @@ def run(
         mpi_args=mpi_args, tag_output=tag_output, log_dir=log_dir, nccl_debug=nccl_debug,
         no_tree_spawn=no_tree_spawn, mpirun=mpirun, ssh_config=ssh_config, dry_run=dry_run,
         preflight=not no_preflight, verbose=verbose, hang_timeout=hang_timeout, on_hang=on_hang,
+        timeout=timeout, start_timeout=start_timeout,
     )
     raise typer.Exit(launch(opts))
 

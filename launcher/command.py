@@ -54,6 +54,9 @@ class LaunchSpec:
     ssh_files: tuple = ()  # sshconf.GeneratedFile: written by the launch, shown by --dry-run
     as_root: bool = False
     rank_wrapper: tuple[str, ...] = ()
+    # interfaces the preflight saw: (host, ((name, address/prefix), ...)) per remote host
+    host_ifaces: tuple = ()
+    launcher_addr: Optional[str] = None  # this host's address on the shared subnet (Hydra's -localhost)
 
 
 @dataclass(frozen=True)
@@ -191,14 +194,87 @@ def _openmpi_groups(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
     return g
 
 
+def names_on_subnet(cidr: str, host_ifaces) -> dict[str, list[str]]:
+    """Interface name(s) carrying ``cidr`` on each host, from the preflight's interface lists."""
+    import ipaddress
+
+    try:
+        net = ipaddress.ip_network(cidr, strict=False)
+    except ValueError:
+        return {}
+    out = {}
+    for host, ifaces in host_ifaces:
+        names = []
+        for name, addr in ifaces:
+            try:
+                if ipaddress.ip_interface(addr).ip in net and name not in names:
+                    names.append(name)
+            except ValueError:
+                continue
+        out[host] = names
+    return out
+
+
+def hydra_iface(spec: LaunchSpec) -> tuple[Optional[str], list[str]]:
+    """Hydra's ``-iface NAME`` for the interface choice, and notes for what Hydra cannot take.
+
+    Hydra takes one interface name for every host: a subnet maps to it when the preflight
+    saw the same name carrying that subnet on every host.
+    """
+    if spec.local_only or not spec.include_iface:
+        return None, []
+    names = [i for i in spec.include_iface if "/" not in i]
+    cidrs = [i for i in spec.include_iface if "/" in i]
+    notes = []
+    if len(names) > 1:
+        notes.append(f"--include-iface {','.join(names)}: Hydra takes one interface name (-iface); using {names[0]}")
+    if names:
+        return names[0], notes
+    cidr = cidrs[0]
+    per_host = names_on_subnet(cidr, spec.host_ifaces)
+    if not per_host:
+        return None, [f"{cidr} ({spec.iface_reason}): Hydra takes an interface name, not a subnet, and the "
+                      "interface names on the hosts are not known (the preflight reads them unless skipped); "
+                      "--include-iface NAME sets one"]
+    found = {n for v in per_host.values() for n in v}
+    missing = [h for h, v in per_host.items() if not v]
+    if len(found) == 1 and not missing:
+        return found.pop(), []
+    detail = "; ".join(f"{h}: {','.join(v) or 'none'}" for h, v in per_host.items())
+    return None, [f"{cidr}: interface names on that subnet differ between hosts ({detail}); Hydra takes one "
+                  "name for all, so no -iface is passed (rename the interfaces, or use Open MPI)"]
+
+
+def flavor_notes(spec: LaunchSpec, flavor: Flavor) -> list[str]:
+    """One line per option this flavor cannot honour as asked: shown in the dry run, warned at launch."""
+    if flavor.is_openmpi:
+        return []
+    notes = []
+    if spec.no_tree_spawn:
+        notes.append("--no-tree-spawn: Hydra starts every proxy from this host already; nothing to add")
+    user_exclude = [i for i in spec.exclude_iface if i not in DEFAULT_EXCLUDE]
+    if user_exclude and not spec.include_iface and not spec.local_only:
+        notes.append(f"--exclude-iface {','.join(user_exclude)}: Hydra has no exclude list, so it is not "
+                     "passed; choose the network with --include-iface NAME (Hydra's -iface)")
+    notes += hydra_iface(spec)[1]
+    if not spec.include_iface and not spec.local_only and not user_exclude:
+        notes.append("no -iface for Hydra: no subnet shared by every host was found (the preflight finds it "
+                     "unless skipped), so Hydra picks the interface itself (--include-iface NAME sets it)")
+    return notes
+
+
 def _mpich_groups(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
     if spec.mca:
         raise UsageError("--mca is an Open MPI option; this mpirun is MPICH (Hydra)")
     g = [ArgGroup((flavor.mpirun, "-n", str(spec.np)), f"{spec.np} ranks; mpiexec by absolute path")]
     g.append(ArgGroup(("-hosts", _hosts_arg(spec.hosts)), f"hosts and slots from {spec.host_source}"))
-    names = [i for i in spec.include_iface if "/" not in i]
-    if names and not spec.local_only:
-        g.append(ArgGroup(("-iface", names[0]), f"MPI traffic on {names[0]} ({spec.iface_reason})"))
+    iface, _ = hydra_iface(spec)
+    if iface:
+        g.append(ArgGroup(("-iface", iface), f"MPI traffic on {iface} ({spec.iface_reason})"))
+    if spec.launcher_addr and not spec.local_only:
+        g.append(ArgGroup(("-localhost", spec.launcher_addr),
+                          "proxies connect back to this address on the shared subnet (this host's own name may "
+                          "resolve to a loopback address elsewhere)"))
     if spec.ssh_wrapper:
         g.append(ArgGroup(("-launcher-exec", spec.ssh_wrapper), f"ssh with per-host settings from {spec.ssh_config}"))
     if spec.tag_output:
@@ -248,11 +324,12 @@ def redact_args(args) -> list[str]:
     return out
 
 
-def format_dry_run(groups: list[ArgGroup], header: str = "") -> str:
+def format_dry_run(groups: list[ArgGroup], header: str = "", notes=()) -> str:
     """Shell-quoted command, one group per line with its reason, pasteable into bash."""
     rendered = [shlex.join(redact_args(grp.args)) for grp in groups]
     width = min(max(len(r) for r in rendered), 72)
     lines = [f"# {header}"] if header else []
+    lines += [f"# note: {n}" for n in notes]
     lines.append("mpirun_cmd=(")
     for r, grp in zip(rendered, groups):
         lines.append(f"  {r.ljust(width)}  # {grp.why}")

@@ -17,6 +17,20 @@ from launcher.hosts import HostSelection, all_local, is_local, resolve_hosts, re
 from launcher.sshconf import job_ssh_files
 
 RANKEXEC = str(Path(__file__).with_name("rankexec.py"))
+# Every rank's wrapper must have started by then (ssh, daemons and the wrapper's own start),
+# or the hosts they were meant for are named and the job is stopped (0 turns it off).
+DEFAULT_START_TIMEOUT_S = 120.0
+
+
+def check_seconds(value: Optional[float], flag: str) -> Optional[float]:
+    """A time limit from the command line: a finite number of seconds above 0 (0 means none)."""
+    import math
+
+    if value is None:
+        return None
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"{flag} {value}: give a number of seconds above 0 (0 turns the limit off)")
+    return value or None
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,9 @@ class LaunchOptions:
     hang_timeout: Optional[float] = None  # report (or abort) after this many seconds without progress
     job_dir: Optional[str] = None  # set by launch(), never from the command line
     on_hang: str = "report"
+    timeout: Optional[float] = None  # seconds the whole job may run
+    start_timeout: Optional[float] = DEFAULT_START_TIMEOUT_S  # seconds until every rank has started
+    host_ifaces: tuple = ()  # (host, ((iface, addr/prefix), ...)) from the preflight
 
 
 def warn(msg: str) -> None:
@@ -150,6 +167,16 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
                                                "inferred on this machine (no preflight)")
     if opts.ssh_config is not None and not opts.ssh_config.strip():
         raise UsageError("--ssh-config: empty value")
+    launcher_addr = None
+    if not flavor.is_openmpi and not all_local(selection.hosts):
+        from launcher.netinfo import DRY_RUN_RESOLVE_S, RESOLVE_TIMEOUT_S, infer_shared_subnet, local_address_on
+
+        cidr = next((i for i in include if "/" in i), None)
+        if cidr is None:
+            shared = infer_shared_subnet([h.host for h in selection.hosts if not is_local(h.host)],
+                                         DRY_RUN_RESOLVE_S if opts.dry_run else RESOLVE_TIMEOUT_S)
+            cidr = shared.cidr if shared else None
+        launcher_addr = local_address_on(cidr) if cidr else None
     base_ssh = opts.ssh_config or environ.get("DTRUN_SSH_CONFIG") or selection.ssh_config
     if base_ssh and not os.path.isfile(base_ssh):
         raise UsageError(f"ssh config {base_ssh}: no such file")
@@ -181,6 +208,8 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
         ssh_files=ssh_files.files,
         as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
         rank_wrapper=wrapper,
+        host_ifaces=tuple(opts.host_ifaces),
+        launcher_addr=launcher_addr,
     )
 
 
@@ -206,7 +235,7 @@ def prepare(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None):
     return selection, flavor, spec, cmd.build_groups(spec, flavor)
 
 
-def describe(opts: LaunchOptions, selection, flavor: Flavor, spec: cmd.LaunchSpec, groups) -> str:
+def describe(opts: LaunchOptions, selection, flavor: Flavor, spec: cmd.LaunchSpec, groups, notes=()) -> str:
     """The --dry-run / --verbose text: what runs, each flag with its reason."""
     hosts = len(selection.hosts)
     header = (f"{flavor.label} ({flavor.mpirun}); {spec.np} ranks on {hosts} host{'s' if hosts != 1 else ''} "
@@ -217,7 +246,7 @@ def describe(opts: LaunchOptions, selection, flavor: Flavor, spec: cmd.LaunchSpe
         header += "; --no-preflight: interfaces not checked on the hosts"
     if spec.log_dir:
         header += f"; rank logs in {spec.log_dir}"
-    return cmd.format_dry_run(groups, header)
+    return cmd.format_dry_run(groups, header, notes)
 
 
 def start_log_dir(log_dir: str) -> None:
@@ -240,6 +269,8 @@ def launch(opts: LaunchOptions) -> int:
         raise UsageError(f"--hang-timeout {opts.hang_timeout:g}: give a number of seconds above 0")
     if opts.on_hang not in ON_HANG:
         raise UsageError(f"--on-hang {opts.on_hang!r}: use one of {', '.join(ON_HANG)}")
+    check_seconds(opts.timeout, "--timeout")
+    check_seconds(opts.start_timeout, "--start-timeout")
     if opts.dry_run or not opts.rank_wrapper:
         return _launch(opts, None)
     from dataclasses import replace
@@ -255,8 +286,9 @@ def launch(opts: LaunchOptions) -> int:
 
 def _launch(opts: LaunchOptions, job_dir: Optional[str]) -> int:
     selection, flavor, spec, groups = prepare(opts)
+    notes = cmd.flavor_notes(spec, flavor)
     if opts.dry_run:
-        print(describe(opts, selection, flavor, spec, groups))
+        print(describe(opts, selection, flavor, spec, groups, notes))
         for f in spec.ssh_files:
             print(f"# a launch first writes {f.path} (--dry-run wrote nothing):")
             print("\n".join(f"#   {line}" for line in f.text.splitlines()))
@@ -266,7 +298,9 @@ def _launch(opts: LaunchOptions, job_dir: Optional[str]) -> int:
               file=sys.stderr, flush=True)
     for f in spec.ssh_files:
         f.write()
-    from launcher.run import failure_summary, run_job
+    for n in notes:
+        warn(n)
+    from launcher.run import expected_hosts, failure_summary, run_job
 
     if spec.log_dir:
         start_log_dir(spec.log_dir)
@@ -279,9 +313,12 @@ def _launch(opts: LaunchOptions, job_dir: Optional[str]) -> int:
         job = jobstate.write(job_dir, [h.host for h in selection.hosts], spec.np, spec.ssh_config, spec.log_dir,
                              flavor.label, spec.program)
         monitor = Monitor(job, opts.hang_timeout, opts.on_hang)
-    result = run_job(argv, monitor=monitor)
+    expected = expected_hosts(spec.hosts, spec.np) if spec.rank_wrapper else []
+    result = run_job(argv, timeout=check_seconds(opts.timeout, "--timeout"),
+                     start_timeout=check_seconds(opts.start_timeout, "--start-timeout"), expected=expected,
+                     monitor=monitor)
     if result.hung:
         monitor.kill_leftovers()  # nothing of the stopped job may stay behind on any host
-    if result.returncode != 0:
+    if result.returncode != 0 or result.notes:
         print(failure_summary(result, spec.log_dir), file=sys.stderr)
     return result.returncode

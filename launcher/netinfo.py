@@ -85,6 +85,23 @@ def local_networks() -> list[tuple[str, ipaddress.IPv4Network]]:
             for n in i.networks if not n.ip.is_loopback]
 
 
+def local_address_on(cidr: str, addresses=None) -> Optional[str]:
+    """This machine's IPv4 address inside ``cidr`` (pure given ``addresses``: (iface, address) pairs)."""
+    try:
+        net = ipaddress.ip_network(cidr, strict=False)
+    except ValueError:
+        return None
+    if addresses is None:
+        from checks.network import local_interfaces
+
+        addresses = [(i.name, str(n.ip)) for i in local_interfaces() if i.up and not i.loopback for n in i.networks]
+    for _, addr in addresses:
+        ip = ipaddress.ip_address(addr)
+        if ip in net and not ip.is_loopback:
+            return str(ip)
+    return None
+
+
 def shared_subnet(addresses: Sequence[str], networks=None) -> Optional[SharedSubnet]:
     """The local network that contains every address, or None (pure given ``networks``)."""
     if not addresses:

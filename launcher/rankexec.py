@@ -8,11 +8,21 @@
   uncaught exception calls MPI_Abort and stops the whole job instead of leaving the
   other ranks blocked in a collective (what ``python -m mpi4py`` documents);
 * with DTRUN_LOG_DIR set, sends the rank's stdout and stderr to DIR/rank.N.log;
+* prints an end-of-output marker as its last line on stdout (dtrun then knows the
+  rank's output arrived whole, or says it did not);
+* prints a start marker on stderr as soon as it runs (dtrun's --start-timeout names
+  the hosts whose ranks never printed one);
 * when the program fails, prints one marker line on stderr that dtrun reads to
-  name the first failing rank, its host and its exit code or signal.
+  name the first failing rank, its host and its exit code or signal, and whether
+  the signal came from the launcher's tear-down (``forwarded=1``) or from elsewhere
+  (``kill -9``, the OOM killer: the root cause of a failed job).
+
+Every descriptor the launcher hands the rank stays open in the program (Hydra's
+PMI_FD socket, PMIx's, any listed in the environment): ``MPI_Init`` needs them.
 
 It stays the parent of the program so it can report how it ended; the program gets
-PR_SET_PDEATHSIG so it never outlives the wrapper when MPI kills the job.
+PR_SET_PDEATHSIG so it never outlives the wrapper when MPI kills the job, and the
+wrapper stops the program when its own parent (the MPI daemon) dies.
 """
 import os
 import re
@@ -20,8 +30,15 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 MARKER = "dtrun-rank-exit:"
+START_MARKER = "dtrun-rank-start:"
+EOF_MARKER = "dtrun-rank-eof:"
+MARKER_LINGER_S = 0.3
+OUTPUT_DRAIN_BPS = 20e6  # bytes a second assumed to leave through the launcher at the end
+OUTPUT_LINGER_MAX_S = 3.0
 _RANK_VARS = (
     # (rank, local rank, size, local size) per flavor, first match wins
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
@@ -70,6 +87,8 @@ def with_abort_on_exception(argv):
             i += 1
             continue
         if a.startswith("-") and len(a) > 1 and a != "-" and not a.startswith("--") and set(a[1:]) <= _PY_FLAGS_NOARG:
+            if "S" in a:
+                return argv  # no site-packages, so no mpi4py to run under
             i += 1
             continue
         break
@@ -81,6 +100,31 @@ def with_abort_on_exception(argv):
     if rest[0] in ("-m", "-c") or not rest[0].startswith("-") or rest[0] == "-":
         return argv[:i] + ["-m", "mpi4py"] + rest
     return argv
+
+
+def inherited_fds(environ):
+    """Descriptors the launcher names in the environment (PMI_FD and any other *_FD) that are open."""
+    fds = []
+    for name, value in environ.items():
+        if name.endswith("_FD") and value.isdigit() and int(value) > 2:
+            try:
+                os.fstat(int(value))
+            except OSError:
+                continue
+            fds.append(int(value))
+    return tuple(sorted(set(fds)))
+
+
+def _bytes_written(pid):
+    """Bytes the (exited, not yet reaped) program wrote, from /proc (0 where unknown)."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            for line in f:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def _pdeathsig():
@@ -119,23 +163,33 @@ def main(argv=None):
             prog = rankstate.with_stack_dump(prog, job_dir, rank, env)
         else:
             job_dir = None
-    # Hydra hands each rank its PMI socket as an inherited descriptor (PMI_FD); closing it
-    # makes MPI_Init fail ("PMI_Get_appnum returned -1" under MPICH). Only that one is kept.
-    pmi_fd = env.get("PMI_FD", "")
+    sys.stderr.write(f"{START_MARKER} rank={rank} host={host}\n")
+    sys.stderr.flush()
+    forwarded = []
+    # MPI launchers hand each rank inherited descriptors (Hydra's PMI socket in PMI_FD); closing
+    # them makes MPI_Init fail ("PMI_Get_appnum returned -1" under MPICH). Those named by a
+    # *_FD variable are kept; no others, so no stray descriptor (an ssh client's pipe under
+    # Open MPI) outlives the job through the program.
     try:
         child = subprocess.Popen(prog, env=env, stdout=stdout, stderr=stderr, preexec_fn=_pdeathsig,
-                                 pass_fds=(int(pmi_fd),) if pmi_fd.isdigit() else ())
+                                 pass_fds=inherited_fds(env))
     except OSError as exc:
         # The shell's convention: 127 for a command that is not there, 126 for one that cannot run.
         code = 127 if isinstance(exc, FileNotFoundError) else 126
         why = "command not found" if code == 127 else (exc.strerror or "cannot run").lower()
         name = argv[0].replace("\n", " ")
-        sys.stderr.write(f"{MARKER} rank={rank} host={host} code={code} start-error={why}; program={name}\n")
+        sys.stdout.write(f"{EOF_MARKER} rank={rank}\n")  # nothing else will be written
+        sys.stdout.flush()
+        sys.stderr.write(f"{MARKER} rank={rank} host={host} code={code} t={time.time():.6f} "
+                         f"start-error={why}; program={name}\n")
+        sys.stderr.flush()
+        time.sleep(MARKER_LINGER_S)
         return code
     if job_dir:
         rankstate.write_state(job_dir, rank, host, child.pid, argv, log_path)
 
     def forward(signum, _frame):
+        forwarded.append(signum)
         try:
             child.send_signal(signum)
         except OSError:
@@ -143,21 +197,54 @@ def main(argv=None):
 
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(s, forward)
-    while True:
+    parent = os.getppid()
+    orphaned_at = None
+    exited = threading.Event()
+
+    def watch():
         try:
-            rc = child.wait()
-            break
-        except InterruptedError:
-            continue
+            os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped yet
+        except OSError:
+            pass
+        exited.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    while not exited.wait(1.0):
+        # The launcher's daemon died (killed, OOM): stop the rank rather than leave it running.
+        if orphaned_at is None and os.getppid() != parent:
+            orphaned_at = time.monotonic()
+            forward(signal.SIGTERM, None)
+        elif orphaned_at is not None and time.monotonic() - orphaned_at > 3:
+            forward(signal.SIGKILL, None)
+    written = _bytes_written(child.pid)
+    rc = child.wait()
     if job_dir:
         rankstate.cleanup(job_dir, rank)
+    if not log_dir:
+        # Open MPI forwards a remote rank's output through its daemon and was seen to drop what
+        # was still on the way when the rank's exit ended the job: stay a moment longer after
+        # a rank that wrote much (none after one that wrote little).
+        time.sleep(min(OUTPUT_LINGER_MAX_S, written / OUTPUT_DRAIN_BPS))
+    # The last line on stdout, after all of the program's own output: dtrun knows the rank's
+    # output arrived whole when it sees this (Open MPI can drop the end of it when the job ends).
+    try:
+        sys.stdout.write(f"{EOF_MARKER} rank={rank}\n")
+        sys.stdout.flush()
+    except OSError:
+        pass
     if rc < 0:
-        sys.stderr.write(f"{MARKER} rank={rank} host={host} signal={-rc}\n")
+        # forwarded=1: the launcher was stopping this rank; 0: someone else killed it.
+        sys.stderr.write(f"{MARKER} rank={rank} host={host} signal={-rc} forwarded={int(bool(forwarded))} "
+                         f"t={time.time():.6f}\n")
         sys.stderr.flush()
         return 128 - rc
     if rc != 0:
-        sys.stderr.write(f"{MARKER} rank={rank} host={host} code={rc}\n")
+        # t=: when it ended, so dtrun can tell the first failure from the errors it caused elsewhere
+        sys.stderr.write(f"{MARKER} rank={rank} host={host} code={rc} t={time.time():.6f}\n")
         sys.stderr.flush()
+        # Give the launcher a moment to forward the marker before it learns of this exit and
+        # tears the job down (Hydra was seen to drop it otherwise).
+        time.sleep(MARKER_LINGER_S)
     return rc
 
 

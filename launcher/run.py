@@ -1,36 +1,73 @@
-"""Running mpirun as a child: signals, the exit code, and the failure summary.
+"""Running mpirun as a child: output, signals, time limits, the exit code and the failure summary.
 
-mpirun runs in its own process group with the argument list (no shell). dtrun
-forwards SIGINT/SIGTERM once (a terminal's Ctrl-C reaching both would make Open
-MPI skip its clean-up), escalates to SIGTERM and SIGKILL of the group if mpirun
-does not stop, and reads mpirun's stderr to find the rank wrapper's exit markers.
+mpirun runs in its own session with the argument list (no shell). dtrun
+
+* pumps mpirun's stdout and stderr through itself (one place, ``_Pumps``): stdout is
+  read as fast as mpirun writes it and buffered here, because Open MPI drops a remote
+  rank's pending output when the job ends while its stdout is a slow pipe; stderr is
+  read line by line to pick out the rank wrapper's start and exit markers;
+* stops the job on every catchable terminating signal (``STOP_SIGNALS``): SIGINT is
+  forwarded to mpirun once (a terminal's Ctrl-C reaching both would make Open MPI skip
+  its clean-up), and whatever of mpirun's session is still alive ``STOP_GRACE_S`` later
+  is killed, so dtrun exits within a few seconds whatever the network does and leaves
+  no process behind on this host (ssh clients included);
+* stops the job when a rank fails and mpirun does not end it by itself (MPICH's Hydra
+  keeps the other ranks running), when ``timeout`` passes, and when ranks have not
+  started within ``start_timeout`` (naming the hosts they were meant for).
+
+Other parts of dtrun follow a job through ``JobObserver`` (output, markers, signals).
 """
 from __future__ import annotations
 
+import collections
 import os
 import re
 import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from launcher.errors import ExitCode, LaunchError, signal_exit_code, signal_name
-from launcher.rankexec import MARKER
+from launcher.rankexec import EOF_MARKER, MARKER, START_MARKER
 
-_MARKER_RE = re.compile(re.escape(MARKER) + r" rank=(\S+) host=(\S+) (code|signal)=(-?\d+)"
-                        r"(?: start-error=([^;]*); program=(.*))?")
+_MARKER_RE = re.compile(re.escape(MARKER) + r" rank=(\S+) host=(\S+) (code|signal)=(-?\d+)(?: forwarded=([01]))?"
+                        r"(?: t=(\d+(?:\.\d+)?))?(?: start-error=([^;]*); program=(.*))?")
+# The wrapper's last stdout line, alone (after a launcher's rank tag) or after a last line
+# of the program's that had no newline.
+_EOF_LINE_RE = re.compile(r"(?m)^(?:\[[^\]\n]*\](?:<stdout>)?:? ?)?" + re.escape(EOF_MARKER) + r" rank=(\d+)\n")
+_TAG_RE = re.compile(r"(?:\[[^\]\n]*\](?:<stdout>)?:? ?)?")
+_EOF_GLUED_RE = re.compile(re.escape(EOF_MARKER) + r" rank=(\d+)(?=\n)")
+_START_RE = re.compile(re.escape(START_MARKER) + r" rank=(\S+) host=(\S+)")
 # Open MPI's own report when no marker was seen (e.g. the program is not wrapped).
 _OMPI_RANK_RE = re.compile(r"Process name:\s+\[[^\]]*?,(\d+)\]")
 _OMPI_CODE_RE = re.compile(r"Exit code:\s+(\d+)")
 _OMPI_SIGNAL_RE = re.compile(r"exited on signal (\d+)")
 _OMPI_ABORT_RE = re.compile(r"process rank (\d+) with PID \d+ on node (\S+)")
-# Signals mpirun sends to the other ranks while it tears a failed job down.
+# MPICH's MPI_Abort report (Hydra kills the wrappers before they can print a marker).
+_MPICH_ABORT_RE = re.compile(r"Abort\((\d+)\) on node \d+ \(rank (\d+) in comm \d+\)")
+# Open MPI 5 (PRRTE) and 4 (ORTE) when a daemon on another host dies or its connection drops:
+# "PRTE has lost communication with a remote daemon. ... Remote daemon: [...] on node h2".
+_DAEMON_LOST_RE = re.compile(r"Remote daemon\s*:\s*\[.*?\]\s+on node\s+(\S+)")
+# Signals mpirun sends to the other ranks while it tears a failed job down (for markers
+# from wrappers that do not say whether they forwarded the signal).
 _TEARDOWN_SIGNALS = {signal.SIGTERM, signal.SIGKILL, signal.SIGINT, signal.SIGHUP}
-# Grace periods for a Ctrl-C: mpirun gets this long to stop its ranks before SIGTERM, then SIGKILL.
-INTERRUPT_GRACE_S = 5.0
-TERM_GRACE_S = 3.0
+# Every signal that terminates a process by default and can be caught: each stops the job.
+STOP_SIGNALS = tuple(s for s in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1,
+                                 signal.SIGUSR2, signal.SIGALRM, getattr(signal, "SIGVTALRM", None),
+                                 getattr(signal, "SIGPROF", None), getattr(signal, "SIGXCPU", None),
+                                 getattr(signal, "SIGXFSZ", None), getattr(signal, "SIGPWR", None),
+                                 getattr(signal, "SIGIO", None)) if s is not None)
+# mpirun gets this long after SIGINT to stop its ranks; then its whole session is killed.
+STOP_GRACE_S = 3.0
+# After a rank's failure marker, mpirun gets this long to end the job by itself (Open MPI
+# does in about 2 s); then dtrun stops it (MPICH's Hydra lets the other ranks run on).
+FAILURE_GRACE_S = 3.0
+# Buffered stdout beyond which reading from mpirun pauses (and output may be dropped by it).
+STDOUT_BUFFER_MAX = 256 << 20
+SIGPIPE_EXIT = 128 + 13
 
 
 @dataclass
@@ -41,6 +78,8 @@ class RankFailure:
     signum: Optional[int] = None
     start_error: Optional[str] = None  # the rank wrapper could not start the program ("command not found")
     program: Optional[str] = None
+    forwarded: Optional[bool] = None  # signal from the launcher's tear-down (None: unknown)
+    time: Optional[float] = None  # when the rank ended (its host's clock)
 
     @property
     def how(self) -> str:
@@ -52,6 +91,20 @@ class RankFailure:
             return "aborted the job"
         return f"exited with code {self.code}"
 
+    @property
+    def torn_down(self) -> bool:
+        """Killed by the launcher while it stopped the job (a consequence, not a cause)."""
+        if self.signum is None:
+            return False
+        if self.forwarded is not None:
+            return self.forwarded
+        return self.signum in _TEARDOWN_SIGNALS
+
+    def exit_code(self, mpirun_rc: int = ExitCode.FAILED) -> int:
+        if self.signum is not None:
+            return signal_exit_code(self.signum)
+        return self.code if self.code else (mpirun_rc or ExitCode.FAILED)
+
 
 @dataclass
 class JobResult:
@@ -59,82 +112,237 @@ class JobResult:
     mpirun_returncode: int
     failures: list = field(default_factory=list)
     interrupted: bool = False
+    signum: Optional[int] = None  # the signal that stopped dtrun
+    timeout: Optional[str] = None  # why a time limit stopped the job (a sentence)
+    stdout_closed: bool = False  # dtrun's stdout went away (| head): the job was stopped
+    lost_daemon_host: Optional[str] = None  # Open MPI lost its daemon on this host
+    notes: list = field(default_factory=list)  # warnings for the end of the run
     hung: bool = False  # --on-hang abort stopped the job (launcher/hangwatch.py)
+    forced: bool = False  # mpirun did not stop in time: its session on this host was killed
+
+    @property
+    def how_stopped(self) -> str:
+        if self.forced:
+            return (f"mpirun did not stop within {STOP_GRACE_S:g} s, so it and everything it started on this host "
+                    f"were killed; a host that cannot be reached keeps its ranks until its connections time out")
+        return "mpirun stopped the job on every host"
+
+
+class JobObserver:
+    """Hooks into a running job; every method is optional and runs on dtrun's threads.
+
+    ``on_signal`` returns True when it handled the signal itself (the job is then not stopped).
+    """
+
+    def on_start(self, job: "RunningJob") -> None:
+        pass
+
+    def on_output(self, stream: str, data: bytes) -> None:
+        """Every chunk of the job's ``stdout`` or line of ``stderr`` (markers excluded)."""
+
+    def on_rank_start(self, rank: str, host: str) -> None:
+        pass
+
+    def on_rank_exit(self, failure: RankFailure) -> None:
+        pass
+
+    def on_signal(self, signum: int) -> bool:
+        return False
+
+    def on_end(self, result: JobResult) -> None:
+        pass
 
 
 def parse_marker(line: str) -> Optional[RankFailure]:
     m = _MARKER_RE.search(line)
     if not m:
         return None
-    rank, host, kind, value, start_error, program = m.groups()
+    rank, host, kind, value, fwd, when, start_error, program = m.groups()
+    forwarded = None if fwd is None else fwd == "1"
+    when = float(when) if when else None
     if kind == "signal":
-        return RankFailure(rank, host, signum=int(value))
-    return RankFailure(rank, host, code=int(value), start_error=start_error, program=(program or "").rstrip() or None)
+        return RankFailure(rank, host, signum=int(value), forwarded=forwarded, time=when)
+    return RankFailure(rank, host, code=int(value), time=when, start_error=start_error,
+                       program=(program or "").rstrip() or None)
+
+
+def parse_start_marker(line: str) -> Optional[tuple[str, str]]:
+    m = _START_RE.search(line)
+    return (m.group(1), m.group(2)) if m else None
 
 
 def order_failures(failures: Sequence[RankFailure], reported_rank: Optional[str] = None) -> list[RankFailure]:
     """Put the root cause first.
 
     Output from different hosts arrives in any order, so arrival order is not failure
-    order: the rank Open MPI reports first wins; then ranks that exited with a code or
-    died of a signal of their own (SIGSEGV, ...) before ranks mpirun killed while
-    tearing the job down.
+    order. First a rank killed by a signal the launcher did not send (``kill -9``, the
+    OOM killer, SIGSEGV): the others' errors follow from it; then ranks that exited with
+    a code, the earliest first (a rank that exits makes its peers fail a moment later
+    with errors of their own, and Open MPI may report one of those first); the rank
+    Open MPI reports breaks ties; last, ranks killed while the job was torn down.
     """
     def key(item):
         i, f = item
-        if reported_rank is not None and f.rank == reported_rank:
-            return (0, i)
-        torn_down = f.signum is not None and f.signum in _TEARDOWN_SIGNALS
-        return (2 if torn_down else 1, i)
+        category = 2 if f.torn_down else (0 if f.signum is not None else 1)
+        when = f.time if f.time is not None else float("inf")
+        reported = 0 if reported_rank is not None and f.rank == reported_rank else 1
+        return (category, when, reported, i)
 
     return [f for _, f in sorted(enumerate(failures), key=key)]
+
+
+def root_cause(failures: Sequence[RankFailure]) -> Optional[RankFailure]:
+    """The first failure that is not a consequence of the job being torn down."""
+    return next((f for f in failures if not f.torn_down), None)
 
 
 def exit_code_for(mpirun_rc: int, failures: Sequence[RankFailure], interrupted: bool,
                   signum: int = signal.SIGINT) -> int:
     """dtrun's exit code: 130 on Ctrl-C (128+N for another signal N that stopped dtrun);
-    otherwise the job's code; never 0 for a job killed by a signal."""
+    otherwise the failing rank's own code (the same under every MPI); never 0 for a job
+    killed by a signal."""
     if interrupted:
         return ExitCode.INTERRUPTED if signum == signal.SIGINT else signal_exit_code(signum)
+    cause = root_cause(failures)
+    if cause is not None:
+        return cause.exit_code(mpirun_rc)
     if mpirun_rc < 0:
         return signal_exit_code(-mpirun_rc)
     if mpirun_rc == 0:
         for f in failures:
-            if f.signum is not None:
-                return signal_exit_code(f.signum)
-            if f.code:
-                return f.code
+            return f.exit_code()
     return mpirun_rc
 
 
-class _StderrPump(threading.Thread):
-    """Copies mpirun's stderr to ours, keeping marker lines back and remembering Open MPI's report."""
+def expected_hosts(hosts: Sequence, np: int) -> list[str]:
+    """Host name of each rank when slots are filled in order (``--map-by slot``, Hydra's ``-hosts``)."""
+    order = [h.host for h in hosts for _ in range(max(int(h.slots), 1))]
+    if not order:
+        return []
+    return [order[r % len(order)] for r in range(np)]
 
-    def __init__(self, stream, on_line=None):
-        super().__init__(daemon=True)
-        self.stream = stream
-        self.on_line = on_line
-        self.failures: list[RankFailure] = []
+
+class _Pumps:
+    """mpirun's stdout and stderr, copied to dtrun's own: the one place output flows through."""
+
+    def __init__(self, proc, observers, on_marker, on_start_marker, on_stdout_closed):
+        self.proc = proc
+        self.observers = observers
+        self.on_marker, self.on_start_marker, self.on_stdout_closed = on_marker, on_start_marker, on_stdout_closed
         self.ompi_report: list[str] = []
+        self.stderr_tail: collections.deque = collections.deque(maxlen=200)
+        self.eof_ranks: set = set()  # ranks whose end-of-output marker arrived
+        self._chunks: collections.deque = collections.deque()
+        self._buffered = 0
+        self.throttled = False
+        self._cond = threading.Condition()
+        self._eof = False
+        self.threads = [threading.Thread(target=self._read_stdout, daemon=True),
+                        threading.Thread(target=self._write_stdout, daemon=True),
+                        threading.Thread(target=self._read_stderr, daemon=True)]
 
-    def run(self):
+    def start(self):
+        for t in self.threads:
+            t.start()
+
+    def join(self, timeout: float, drain: bool) -> None:
+        """Wait for the readers (at most ``timeout``), then for all of stdout to be written
+        out (without a limit when ``drain``: output is not dropped because a reader is slow)."""
+        deadline = time.monotonic() + timeout
+        for t in (self.threads[0], self.threads[2]):
+            t.join(max(0.0, deadline - time.monotonic()))
+        self.threads[1].join(None if drain else max(1.0, deadline - time.monotonic()))
+
+    def _notify(self, stream, data):
+        for o in self.observers:
+            o.on_output(stream, data)
+
+    def _read_stdout(self):
+        fd = self.proc.stdout.fileno()
+        held = ""
+        try:
+            while True:
+                raw = os.read(fd, 1 << 16)
+                if not raw:
+                    break
+                text, held = split_eof_markers(held + raw.decode("utf-8", "surrogateescape"), self.eof_ranks)
+                data = text.encode("utf-8", "surrogateescape")
+                if not data:
+                    continue
+                self._notify("stdout", data)
+                with self._cond:
+                    while self._buffered > STDOUT_BUFFER_MAX and not self._eof:
+                        self.throttled = True
+                        self._cond.wait(0.5)
+                    self._chunks.append(data)
+                    self._buffered += len(data)
+                    self._cond.notify_all()
+            if held:
+                self._put(held.encode("utf-8", "surrogateescape"))
+        except OSError:
+            pass
+        finally:
+            with self._cond:
+                self._eof = True
+                self._cond.notify_all()
+
+    def _put(self, data: bytes) -> None:
+        with self._cond:
+            self._chunks.append(data)
+            self._buffered += len(data)
+            self._cond.notify_all()
+
+    def _write_stdout(self):
+        out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
+        broken = False
+        while True:
+            with self._cond:
+                while not self._chunks and not self._eof:
+                    self._cond.wait()
+                if not self._chunks:
+                    return
+                data = b"".join(self._chunks)
+                self._chunks.clear()
+                self._buffered = 0
+                self._cond.notify_all()
+            if broken:
+                continue  # keep reading so mpirun is never blocked while the job stops
+            try:
+                if out is not None:
+                    out.write(data)
+                    out.flush()
+                else:
+                    sys.stdout.write(data.decode("utf-8", "replace"))
+                    sys.stdout.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                broken = True
+                self.on_stdout_closed()
+
+    def _read_stderr(self):
         out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
-        for raw in iter(self.stream.readline, b""):
+        for raw in iter(self.proc.stderr.readline, b""):
             line = raw.decode("utf-8", "replace")
+            started = parse_start_marker(line)
+            if started is not None:
+                self.on_start_marker(*started)
+                continue
             failure = parse_marker(line)
             if failure is not None:
-                self.failures.append(failure)
+                self.on_marker(failure)
                 continue
+            self.stderr_tail.append(line)
             if ("Process name:" in line or "Exit code:" in line or "exited on signal" in line
-                    or "process rank" in line):
+                    or "process rank" in line or "Abort(" in line):
                 self.ompi_report.append(line)
-            if self.on_line is not None:
-                self.on_line(line)
-            if out is not None:
-                out.write(raw)
-                out.flush()
-            else:
-                sys.stderr.write(line)
+            self._notify("stderr", raw)
+            try:
+                if out is not None:
+                    out.write(raw)
+                    out.flush()
+                else:
+                    sys.stderr.write(line)
+            except (OSError, ValueError):
+                pass
 
     def reported_rank(self) -> Optional[str]:
         """The rank Open MPI names as the first to fail, if it said."""
@@ -144,6 +352,10 @@ class _StderrPump(threading.Thread):
 
     def fallback_failure(self) -> Optional[RankFailure]:
         text = "".join(self.ompi_report)
+        mpich = _MPICH_ABORT_RE.search(text)
+        if mpich:
+            code = int(mpich.group(1))  # MPI_Abort's code, or an MPI error code for an internal failure
+            return RankFailure(mpich.group(2), "?", code=code if 0 < code < 256 else None)
         rank = _OMPI_RANK_RE.search(text)
         if not rank:
             abort = _OMPI_ABORT_RE.search(text)
@@ -154,134 +366,348 @@ class _StderrPump(threading.Thread):
                            signum=int(sig.group(1)) if sig else None)
 
 
-def _relay(stream, on_line) -> None:
-    """Copy mpirun's stdout to ours line by line, telling the hang monitor of each line."""
-    out = sys.stdout.buffer
-    for raw in iter(stream.readline, b""):
-        on_line(raw)
-        out.write(raw)
-        out.flush()
+def split_eof_markers(text: str, seen: set) -> tuple[str, str]:
+    """Remove the wrappers' end-of-output markers from ``text`` (adding their ranks to ``seen``).
 
-
-def run_job(argv: Sequence[str], env: Optional[dict] = None, monitor=None) -> JobResult:
-    """Run mpirun with ``argv`` and wait, handling Ctrl-C / SIGTERM. Never uses a shell.
-
-    ``monitor`` (launcher/hangwatch.Monitor): SIGQUIT prints every rank's stack and the
-    job goes on; with --hang-timeout it watches progress and may stop the job.
+    Returns the text to pass on and a tail to hold back until more arrives: the part of
+    an unfinished last line that could be the start of a marker (anything else, a prompt
+    or a progress bar, goes out at once).
     """
-    # mpirun is in its own process group, so reading a terminal would stop it (SIGTTIN).
+    def drop(m):
+        seen.add(m.group(1))
+        return ""
+
+    text = _EOF_GLUED_RE.sub(drop, _EOF_LINE_RE.sub(drop, text))
+    cut = text.rfind("\n") + 1
+    last = text[cut:]
+    tag = _TAG_RE.match(last)
+    body = last[tag.end():]
+    if last.startswith("[") and len(last) < 64 and not body.startswith(EOF_MARKER[:1]) or (tag.group(0) and not body):
+        return text[:cut], last  # maybe a launcher's rank tag, a marker to follow
+    if body and (body.startswith(EOF_MARKER) or EOF_MARKER.startswith(body)):
+        return text[:cut], last
+    i = last.find(EOF_MARKER[0])
+    while i != -1:
+        if EOF_MARKER.startswith(last[i:]) or last[i:].startswith(EOF_MARKER):
+            return text[:cut + i], last[i:]  # maybe a marker after a last line with no newline
+        i = last.find(EOF_MARKER[0], i + 1)
+    return text, ""
+
+
+def lost_daemon_host(stderr_text: str) -> Optional[str]:
+    """The host whose MPI daemon Open MPI says it lost, if it said."""
+    hosts = _DAEMON_LOST_RE.findall(stderr_text)
+    return hosts[0] if hosts else None
+
+
+class RunningJob:
+    """The job while it runs: what observers may look at, and ``stop``."""
+
+    def __init__(self, proc):
+        self.proc = proc
+        self.pid = proc.pid
+        self.started_ranks: dict[str, str] = {}
+        self.failures: list[RankFailure] = []
+        self._lock = threading.Lock()
+        self._stop_reason: Optional[str] = None
+        self._stop_signals = 0
+        self.wake = threading.Event()
+
+    def stop(self, reason: str) -> None:
+        """Ask for the job to be stopped (from any thread): SIGINT to mpirun, then kill its session."""
+        with self._lock:
+            if self._stop_reason is None:
+                self._stop_reason = reason
+            self._stop_signals += 1
+        self.wake.set()
+
+    @property
+    def stop_reason(self) -> Optional[str]:
+        return self._stop_reason
+
+
+def run_job(argv: Sequence[str], env: Optional[dict] = None, *, timeout: Optional[float] = None,
+            start_timeout: Optional[float] = None, expected: Sequence[str] = (),
+            observers: Sequence[JobObserver] = (), failure_grace: float = FAILURE_GRACE_S,
+            monitor=None) -> JobResult:
+    """Run mpirun with ``argv`` and wait, handling signals and time limits. Never uses a shell.
+
+    Args:
+        timeout: seconds the whole job may take (None: no limit).
+        start_timeout: seconds until every rank's wrapper must have said it started (None: no limit).
+        expected: host name of each rank, to name the hosts whose ranks did not start.
+        observers: hooks that follow the job (see JobObserver).
+        failure_grace: seconds mpirun gets to end the job after a rank failed before dtrun stops it.
+        monitor: the hang monitor (launcher/hangwatch.Monitor), one more observer: SIGQUIT prints
+            every rank's stack and the job goes on; with --hang-timeout it may stop the job.
+    """
+    if monitor is not None:
+        observers = tuple(observers) + (monitor,)
     stdin = subprocess.DEVNULL if sys.stdin is None or sys.stdin.isatty() else None
-    relay = monitor is not None and monitor.wants_output
     try:
-        proc = subprocess.Popen(list(argv), stdin=stdin, stderr=subprocess.PIPE, env=env, start_new_session=True,
-                                stdout=subprocess.PIPE if relay else None)
+        proc = subprocess.Popen(list(argv), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                start_new_session=True)
     except OSError as exc:
         raise LaunchError(f"cannot start {argv[0]}: {exc.strerror}") from None
-    pump = _StderrPump(proc.stderr, monitor.saw_output if monitor is not None else None)
-    pump.start()
-    if relay:
-        out_pump = threading.Thread(target=_relay, args=(proc.stdout, monitor.saw_output), daemon=True)
-        out_pump.start()
+    _grow_pipe(proc.stdout)
+    job = RunningJob(proc)
+    state: dict = {}
+    t0 = time.monotonic()
 
-    state = {"stage": 0}  # "signum": the first signal that interrupted dtrun
-    lock = threading.Lock()
+    def on_marker(failure: RankFailure):
+        job.failures.append(failure)
+        for o in observers:
+            o.on_rank_exit(failure)
+        if not failure.torn_down and "failed_at" not in state:
+            state["failed_at"] = time.monotonic()
+            job.wake.set()
 
-    def escalate():
-        """First call: forward SIGINT; then SIGTERM; then SIGKILL the whole group."""
-        with lock:
-            stage = state["stage"]
-            state["stage"] += 1
-        try:
-            if stage == 0:
-                proc.send_signal(signal.SIGINT)
-            elif stage == 1:
-                proc.send_signal(signal.SIGTERM)
-            else:
-                _kill_group(proc.pid)
-        except (ProcessLookupError, PermissionError):
-            pass
+    def on_start_marker(rank, host):
+        job.started_ranks[rank] = host
+        for o in observers:
+            o.on_rank_start(rank, host)
 
-    def escalate_later(delay: float) -> None:
-        """If mpirun is still running after ``delay``, take the next step (SIGTERM, then SIGKILL)."""
-        def step():
-            if proc.poll() is None:
-                escalate()
-                if state["stage"] < 3:
-                    escalate_later(TERM_GRACE_S)
-        t = threading.Timer(delay, step)
-        t.daemon = True
-        t.start()
+    def on_stdout_closed():
+        state["stdout_closed"] = True
+        job.stop("stdout closed")
+
+    pumps = _Pumps(proc, observers, on_marker, on_start_marker, on_stdout_closed)
+    pumps.start()
+    for o in observers:
+        o.on_start(job)
 
     def on_signal(signum, _frame):
-        first = "signum" not in state
+        if any(o.on_signal(signum) for o in observers):
+            return
         state.setdefault("signum", signum)
-        escalate()
-        if first:
-            escalate_later(INTERRUPT_GRACE_S)
+        job.stop(f"signal {signum}")
 
-    def on_hang_abort():
-        state["hang"] = True
-        escalate()
-        escalate_later(INTERRUPT_GRACE_S)
+    old = {}
+    for s in STOP_SIGNALS:
+        try:
+            old[s] = signal.signal(s, on_signal)
+        except (OSError, ValueError):
+            pass
+    stopping_since = None
+    sent = 0
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    if monitor is not None:
-        # SIGQUIT (Ctrl-\\) is a stack dump of every rank here, like a Java thread dump:
-        # the job is NOT stopped. Stop it with Ctrl-C or SIGTERM.
-        old[signal.SIGQUIT] = signal.signal(signal.SIGQUIT, lambda _s, _f: monitor.request_dump("SIGQUIT"))
-        monitor.start(abort=on_hang_abort)
+    def reap():
+        proc.wait()
+        job.wake.set()
+
+    # mpirun's end wakes the loop at once (no polling delay added to every job).
+    threading.Thread(target=reap, daemon=True).start()
     try:
-        proc.wait()  # signals interrupt the wait, run on_signal, and the wait resumes (PEP 475)
+        while proc.returncode is None:
+            job.wake.clear()
+            now = time.monotonic()
+            if timeout is not None and now - t0 > timeout and job.stop_reason is None:
+                state["timeout"] = f"the job ran longer than --timeout {timeout:g} s"
+                job.stop("timeout")
+            if (start_timeout is not None and expected and now - t0 > start_timeout and job.stop_reason is None
+                    and len(job.started_ranks) < len(expected)):
+                state["timeout"] = not_started_message(expected, job.started_ranks, start_timeout)
+                job.stop("start timeout")
+            if "failed_at" in state and now - state["failed_at"] > failure_grace and job.stop_reason is None:
+                job.stop("rank failed")
+            wait = 1.0
+            if job.stop_reason is not None:
+                if stopping_since is None:
+                    stopping_since = now
+                # first request: SIGINT to mpirun; a repeated signal: SIGTERM; the grace over: kill all
+                want = min(job._stop_signals, 2)
+                while sent < want:
+                    sent += 1
+                    _signal(proc, signal.SIGINT if sent == 1 else signal.SIGTERM)
+                if now - stopping_since > STOP_GRACE_S or job._stop_signals >= 3:
+                    state["forced"] = True
+                    kill_session(proc.pid)
+                    break
+                wait = STOP_GRACE_S - (now - stopping_since)
+            else:
+                if timeout is not None:
+                    wait = min(wait, t0 + timeout - now)
+                if start_timeout is not None and expected and len(job.started_ranks) < len(expected):
+                    wait = min(wait, t0 + start_timeout - now)
+                if "failed_at" in state:
+                    wait = min(wait, state["failed_at"] + failure_grace - now)
+            if proc.returncode is None:
+                job.wake.wait(max(wait, 0.01))
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            state["forced"] = True
+            kill_session(proc.pid)
+            proc.wait()
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        if monitor is not None:
-            monitor.stop()
-    pump.join(timeout=5)
-    if relay:
-        out_pump.join(timeout=5)
-    if state.get("hang"):
-        _kill_group(proc.pid)
-        return JobResult(ExitCode.HANG, proc.returncode, [], False, hung=True)
+    # Nothing of mpirun's session stays behind on this host (ssh clients, prterun helpers),
+    # also after a normal end: a daemon's ssh client may linger while its host is silent.
+    kill_session(proc.pid)
+    pumps.join(timeout=5, drain=job.stop_reason is None)
+    result = _result(proc.returncode, job, pumps, state, expected)
+    for o in observers:
+        o.on_end(result)
+    return result
+
+
+def _result(mpirun_rc: int, job: RunningJob, pumps: _Pumps, state: dict, expected: Sequence[str]) -> JobResult:
     interrupted = "signum" in state
-    if interrupted:
-        _kill_group(proc.pid)  # nothing of the job's process group stays behind on this host
-    failures = order_failures(pump.failures, pump.reported_rank())
-    if not failures and proc.returncode != 0 and not interrupted:
-        fb = pump.fallback_failure()
+    if (job.stop_reason or "").startswith("no progress"):  # the hang monitor's --on-hang abort
+        return JobResult(ExitCode.HANG, mpirun_rc, [], False, hung=True)
+    failures = order_failures(job.failures, pumps.reported_rank())
+    if root_cause(failures) is None and mpirun_rc != 0 and not interrupted:
+        fb = pumps.fallback_failure()
         if fb:
-            failures.append(fb)
-    rc = exit_code_for(proc.returncode, failures, interrupted, state.get("signum", signal.SIGINT))
-    return JobResult(rc, proc.returncode, failures, interrupted)
+            if fb.host == "?" and fb.rank.isdigit() and int(fb.rank) < len(expected):
+                fb.host = job.started_ranks.get(fb.rank) or expected[int(fb.rank)]
+            failures.insert(0, fb)
+    signum = state.get("signum")
+    if interrupted:
+        rc = exit_code_for(mpirun_rc, failures, True, signum)
+    elif "timeout" in state:
+        rc = ExitCode.TIMEOUT
+    elif state.get("stdout_closed") and root_cause(failures) is None:
+        rc = SIGPIPE_EXIT
+    else:
+        rc = exit_code_for(mpirun_rc, failures, False)
+    lost = lost_daemon_host("".join(pumps.stderr_tail)) if root_cause(failures) is None else None
+    if lost and rc == 0:
+        rc = ExitCode.FAILED  # Open MPI 5 was seen to exit 0 after losing a daemon and its ranks
+    result = JobResult(rc, mpirun_rc, failures, interrupted, signum, state.get("timeout"),
+                       bool(state.get("stdout_closed")), lost, forced=bool(state.get("forced")))
+    missing = output_cut_short(job, pumps.eof_ranks, mpirun_rc == 0 and job.stop_reason is None)
+    if missing:
+        where = ", ".join(f"rank {r} on {job.started_ranks.get(r, '?')}" for r in missing[:8])
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        result.notes.append(f"the end of the output of {where}{more} did not arrive: Open MPI dropped it when the "
+                            f"job ended (it can when a rank writes a lot just before it exits); --log-dir DIR "
+                            f"keeps all of it")
+    if pumps.throttled:
+        result.notes.append(f"the job wrote output faster than dtrun's stdout took it and more than "
+                            f"{STDOUT_BUFFER_MAX >> 20} MiB waited here; mpirun may have dropped some of it: "
+                            f"use --log-dir DIR for large output")
+    return result
 
 
-def _kill_group(pgid: int) -> None:
+def output_cut_short(job: "RunningJob", eof_ranks: set, succeeded: bool) -> list[str]:
+    """Ranks whose wrapper wrote its end-of-output line that never arrived.
+
+    After a clean end every started rank wrote it; after a failure, every rank whose exit
+    marker arrived did (it is written just before that marker).
+    """
+    if succeeded:
+        wrote = set(job.started_ranks)
+    else:
+        wrote = {f.rank for f in job.failures}
+    return sorted((r for r in wrote if r not in eof_ranks), key=lambda r: (len(r), r))
+
+
+def not_started_message(expected: Sequence[str], started: dict, limit: float) -> str:
+    missing = [r for r in range(len(expected)) if str(r) not in started]
+    by_host: dict[str, list[int]] = {}
+    for r in missing:
+        by_host.setdefault(expected[r], []).append(r)
+    parts = []
+    for host, ranks in by_host.items():
+        label = "rank" if len(ranks) == 1 else "ranks"
+        parts.append(f"{host} ({label} {','.join(map(str, ranks))})")
+    return (f"{len(missing)} of {len(expected)} ranks had not started after --start-timeout {limit:g} s; "
+            f"not up: {'; '.join(parts)}: check those hosts with `dtrun doctor` (ssh, firewall, a silent network)")
+
+
+def _grow_pipe(stream) -> None:
+    """A larger pipe from mpirun (Linux): fewer stalls of its output while dtrun writes ours."""
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        import fcntl
+
+        fcntl.fcntl(stream.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+    except (OSError, ValueError, ImportError):
+        pass
+
+
+def _signal(proc, signum) -> None:
+    try:
+        proc.send_signal(signum)
     except (ProcessLookupError, PermissionError):
         pass
 
 
+def session_members(sid: int) -> list[int]:
+    """Processes of session ``sid`` on this host (mpirun and everything it started, ssh clients too)."""
+    found = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return found
+    me = os.getpid()
+    for name in names:
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 3 and int(fields[3]) == sid:
+            found.append(int(name))
+    return found
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL the process group and every remaining process of session ``sid``."""
+    try:
+        os.killpg(sid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in session_members(sid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def failure_summary(result: JobResult, log_dir: Optional[str] = None) -> str:
     """One summary line and a short table like torchrun's, for a failed job."""
-    if result.interrupted:
-        return "dtrun: interrupted; the job was stopped"
+    lines = [f"dtrun: warning: {n}" for n in result.notes]
+    if result.returncode == 0:
+        return "\n".join(lines)
     if result.hung:
-        return f"dtrun: the job made no progress and was stopped (--on-hang abort; exit code {int(ExitCode.HANG)})"
-    if not result.failures:
-        return f"dtrun: job failed: mpirun exited with code {result.mpirun_returncode}"
-    first = result.failures[0]
+        return "\n".join(lines + [f"dtrun: the job made no progress and was stopped (--on-hang abort; exit code "
+                                  f"{int(ExitCode.HANG)})"])
+    if result.interrupted:
+        return "\n".join(lines + [f"dtrun: stopped by {signal_name(result.signum or signal.SIGINT)}; "
+                                  f"{result.how_stopped}"])
+    if result.timeout:
+        return "\n".join(lines + [f"dtrun: {result.timeout}; the job was stopped (exit {int(ExitCode.TIMEOUT)}): "
+                                  f"{result.how_stopped}"])
+    cause = root_cause(result.failures)
+    if result.stdout_closed and cause is None:
+        return "\n".join(lines + ["dtrun: stdout was closed (the program reading dtrun's output exited, "
+                                  "as with `| head`); the job was stopped"])
+    if cause is None:
+        why = f"mpirun exited with code {result.mpirun_returncode}"
+        if result.lost_daemon_host:
+            why = (f"the MPI daemon on {result.lost_daemon_host} died or lost its connection (killed, out of "
+                   f"memory, or the host or its network went down), so the job was ended; {why}")
+        elif result.failures:
+            stopped = ", ".join(f"rank {f.rank} on {f.host} {f.how}" for f in result.failures[:3])
+            why += f" while stopping the job ({stopped})"
+        return "\n".join(lines + [f"dtrun: job failed: {why}"])
+    first = cause
     others = len({f.rank for f in result.failures}) - 1
     tail = f" ({others} other rank{'s' if others != 1 else ''} stopped too)" if others > 0 else ""
     head = f"rank {first.rank} on {first.host} {first.how}"
     if first.start_error:  # say it the way a shell would: "PROGRAM: command not found on HOST"
         head = f"{first.program}: {first.start_error} on {first.host} (rank {first.rank})"
-    lines = [f"dtrun: job failed: {head}{tail}",
-             "  first failure:",
-             f"    rank       : {first.rank}",
-             f"    host       : {first.host}",
-             f"    {'signal' if first.signum is not None else 'exit code':<11}: "
-             f"{signal_name(first.signum) + f' ({first.signum})' if first.signum is not None else first.code}"]
+    lines += [f"dtrun: job failed: {head}{tail}",
+              "  first failure:",
+              f"    rank       : {first.rank}",
+              f"    host       : {first.host}",
+              f"    {'signal' if first.signum is not None else 'exit code':<11}: "
+              f"{signal_name(first.signum) + f' ({first.signum})' if first.signum is not None else first.code}"]
     if log_dir:
         lines.append(f"    log        : {os.path.join(log_dir, f'rank.{first.rank}.log')}")
     return "\n".join(lines)

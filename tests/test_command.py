@@ -239,3 +239,140 @@ def test_log_dir_run_id_sorts_by_time_and_names_the_process():
     from launcher.launch import new_run_id
     assert new_run_id(now=0, pid=42).endswith("-42")
     assert new_run_id(now=1e9, pid=1) < new_run_id(now=2e9, pid=1)
+
+
+# ---- lifecycle: honest names, exit codes and notes (values only) ----------------------------
+
+def test_marker_says_whether_the_signal_came_from_the_teardown():
+    own = parse_marker("dtrun-rank-exit: rank=2 host=n3 signal=9 forwarded=0")
+    torn = parse_marker("[1,0]<stderr>: dtrun-rank-exit: rank=0 host=n1 signal=15 forwarded=1")
+    assert (own.signum, own.forwarded, own.torn_down) == (9, False, False)
+    assert torn.torn_down
+
+
+def test_kill_9_of_a_rank_beats_open_mpis_abort_report():
+    from launcher.run import order_failures
+    killed = parse_marker("dtrun-rank-exit: rank=1 host=n2 signal=9 forwarded=0")
+    aborted = RankFailure("0", "n1", code=14)  # a consequence: its peer vanished
+    torn = parse_marker("dtrun-rank-exit: rank=2 host=n3 signal=15 forwarded=1")
+    assert order_failures([aborted, torn, killed], reported_rank="0") == [killed, aborted, torn]
+    assert exit_code_for(14, [killed, aborted, torn], False) == 137
+
+
+def test_failing_rank_code_wins_over_the_launchers_own_code():
+    # Hydra reports its own code (seen: 15 for a rank's exit 3); the rank's code is what dtrun exits with
+    assert exit_code_for(15, [RankFailure("1", "h", code=3)], False) == 3
+    torn = RankFailure("0", "h", signum=15, forwarded=True)
+    assert exit_code_for(1, [torn], False) == 1  # only torn-down ranks: mpirun's code stands
+
+
+def test_stdout_closed_is_not_blamed_on_a_rank():
+    from launcher.run import SIGPIPE_EXIT
+    r = JobResult(SIGPIPE_EXIT, 1, [RankFailure("0", "h", signum=15, forwarded=True)], stdout_closed=True)
+    text = failure_summary(r)
+    assert "stdout was closed" in text and "rank 0" not in text
+
+
+def test_lost_daemon_names_its_host():
+    from launcher.run import lost_daemon_host
+    text = ("PRTE has lost communication with a remote daemon.\n\n"
+            "  HNP daemon   : [prterun-vm-18823@0,0] on node vm\n"
+            "  Remote daemon: [prterun-vm-18823@0,2] on node dt03e6-h2\n")
+    assert lost_daemon_host(text) == "dt03e6-h2"
+    assert lost_daemon_host("ordinary output\n") is None
+    r = JobResult(1, 0, [], lost_daemon_host="dt03e6-h2")
+    assert "the MPI daemon on dt03e6-h2 died" in failure_summary(r)
+
+
+def test_timeout_and_signal_summaries():
+    r = JobResult(ExitCode.TIMEOUT, -9, [], timeout="the job ran longer than --timeout 5 s", forced=True)
+    text = failure_summary(r)
+    assert text.startswith("dtrun: the job ran longer than --timeout 5 s; the job was stopped (exit 124)")
+    assert "did not stop within" in text
+    assert failure_summary(JobResult(129, 0, [], interrupted=True, signum=signal.SIGHUP)).startswith(
+        "dtrun: stopped by SIGHUP; mpirun stopped the job on every host")
+    assert exit_code_for(0, [], True, signal.SIGHUP) == 129
+    assert exit_code_for(0, [], True, signal.SIGQUIT) == 131
+
+
+def test_start_timeout_names_hosts_of_missing_ranks():
+    from launcher.run import expected_hosts, not_started_message
+    expected = expected_hosts(tuple(parse_host_list("a:2,b:1,c:1")), 4)
+    assert expected == ["a", "a", "b", "c"]
+    msg = not_started_message(expected, {"0": "a", "1": "a"}, 30)
+    assert msg.startswith("2 of 4 ranks had not started after --start-timeout 30 s; not up: b (rank 2); c (rank 3)")
+
+
+def test_every_catchable_terminating_signal_stops_the_job():
+    from launcher.run import STOP_SIGNALS
+    for s in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
+              signal.SIGALRM, signal.SIGXCPU):
+        assert s in STOP_SIGNALS
+
+
+def test_mpich_notes_for_options_hydra_cannot_take():
+    from launcher.command import flavor_notes
+    notes = flavor_notes(spec(no_tree_spawn=True, exclude_iface=("lo", "docker0", "eth1")), HYDRA)
+    assert any(n.startswith("--no-tree-spawn: Hydra starts every proxy from this host") for n in notes)
+    assert any(n.startswith("--exclude-iface eth1: Hydra has no exclude list") for n in notes)
+    assert "-iface" not in line(build_command(spec(exclude_iface=("lo", "docker0", "eth1")), HYDRA))
+    assert flavor_notes(spec(no_tree_spawn=True), OMPI5) == []
+
+
+def test_mpich_subnet_maps_to_the_one_interface_name_every_host_uses():
+    ifaces = (("s1", (("eth0", "10.1.0.11/24"), ("docker0", "172.17.0.1/16"))),
+              ("s2", (("eth0", "10.1.0.12/24"),)))
+    s = spec(include_iface=("10.1.0.0/24",), iface_reason="shared subnet", host_ifaces=ifaces,
+             launcher_addr="10.1.0.1")
+    text = line(build_command(s, HYDRA))
+    assert "-iface eth0 -localhost 10.1.0.1 " in text
+    differ = (("s1", (("eth0", "10.1.0.11/24"),)), ("s2", (("ens5", "10.1.0.12/24"),)))
+    from launcher.command import flavor_notes
+    s2 = spec(include_iface=("10.1.0.0/24",), host_ifaces=differ)
+    assert "-iface" not in line(build_command(s2, HYDRA))
+    assert any("interface names on that subnet differ between hosts (s1: eth0; s2: ens5)" in n
+               for n in flavor_notes(s2, HYDRA))
+    # in a dry run (no preflight) the subnet cannot be mapped yet: said, not dropped
+    assert any("Hydra takes an interface name, not a subnet" in n
+               for n in flavor_notes(spec(include_iface=("10.1.0.0/24",)), HYDRA))
+
+
+def test_dry_run_prints_notes():
+    text = format_dry_run(build_groups(spec(), HYDRA), "MPICH", ["--no-tree-spawn: nothing to add"])
+    assert text.splitlines()[1] == "# note: --no-tree-spawn: nothing to add"
+
+
+def test_earliest_exit_is_the_root_cause_not_the_peer_that_aborted_after_it():
+    from launcher.run import order_failures
+    exited = parse_marker("dtrun-rank-exit: rank=2 host=h3 code=3 t=1000.100000")
+    aborted = parse_marker("[1,1]<stderr>: dtrun-rank-exit: rank=1 host=h2 code=14 t=1000.350000")
+    assert order_failures([aborted, exited], reported_rank="1") == [exited, aborted]
+    assert exit_code_for(14, order_failures([aborted, exited], "1"), False) == 3
+
+
+def test_end_of_output_markers_are_taken_out_of_stdout_whatever_the_tag_or_chunking():
+    from launcher.run import split_eof_markers
+    raw = "[1,1]<stdout>: a\n[1,1]<stdout>: dtrun-rank-eof: rank=1\n[1,0]<stdout>: b\n[1,0]<stdout>:dtrun-rank-eof: rank=0\n"
+    for cut in range(len(raw) + 1):
+        seen = set()
+        first, held = split_eof_markers(raw[:cut], seen)
+        second, rest = split_eof_markers(held + raw[cut:], seen)
+        assert first + second + rest == "[1,1]<stdout>: a\n[1,0]<stdout>: b\n", cut
+        assert seen == {"0", "1"}
+    seen = set()
+    assert split_eof_markers("no newline at the enddtrun-rank-eof: rank=3\n", seen) == ("no newline at the end\n", "")
+    assert split_eof_markers("[2] dtrun-rank-eof: rank=2\n", seen) == ("", "") and seen == {"2", "3"}
+    assert split_eof_markers("progress 50%\r", set()) == ("progress 50%\r", "")  # prompts are not held
+
+
+def test_output_cut_short_names_ranks_whose_last_line_never_came():
+    from launcher.run import RunningJob, output_cut_short
+
+    class P:
+        pid = 1
+
+    job = RunningJob(P())
+    job.started_ranks.update({"0": "h1", "1": "h2", "2": "h3"})
+    assert output_cut_short(job, {"0", "2"}, succeeded=True) == ["1"]
+    job.failures.append(RankFailure("2", "h3", code=3))
+    assert output_cut_short(job, {"0"}, succeeded=False) == ["2"]  # only ranks whose exit marker came

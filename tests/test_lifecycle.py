@@ -1,0 +1,319 @@
+"""A running job's life through the installed dtrun: signals, time limits, silent hosts, honest summaries.
+
+Real mpirun, real ranks, real sshd on network-namespace hosts and real iptables rules
+that make a host go silent; nothing is mocked.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests import nscluster
+from tests.cluster_plugin import skip_if_unavailable
+from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, user_env, wait_until_empty
+
+pytestmark = pytest.mark.mpi
+
+HOST = os.uname().nodename
+SLEEPER = ("import os, sys, time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\nc.Barrier()\n"
+           "print('up', c.rank, os.getpid(), flush=True)\ntime.sleep(300)\n")
+
+
+def _procs_with(token):
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(token in part for part in (p.info["cmdline"] or [])):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def _script(tmp_path, text, tag):
+    token = f"dtrun-{tag}-{os.getpid()}-{time.monotonic_ns()}"
+    path = tmp_path / f"{token}.py"
+    path.write_text(text)
+    return token, path
+
+
+def _start(argv, env=None):
+    return subprocess.Popen([str(a) for a in argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env or user_env(), cwd=REPO, stdin=subprocess.DEVNULL)
+
+
+def _wait_up(proc, n, timeout=60):
+    """Read 'up RANK PID' lines until ``n`` ranks are up; return {rank: pid}."""
+    up, deadline = {}, time.monotonic() + timeout
+    while len(up) < n and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        parts = line.split()
+        if len(parts) >= 3 and parts[-3].endswith("up"):
+            up[int(parts[-2])] = int(parts[-1])
+    assert len(up) == n, f"only {len(up)} of {n} ranks started: " + (proc.stderr.read() if proc.poll() is not None else "")
+    return up
+
+
+def _finish(proc, timeout=30):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out, err
+
+
+# ---- the rank wrapper ------------------------------------------------------------------------
+
+def test_rank_wrapper_keeps_every_descriptor_the_launcher_hands_the_rank():
+    """Hydra's PMI_FD, PMIx's and unlisted inherited descriptors must reach the program open."""
+    fds = [os.pipe() for _ in range(3)]
+    env = user_env(PMI_FD=str(fds[0][1]), PMIX_SERVER_FD=str(fds[1][1]), UNLISTED_FD=str(fds[2][1]))
+    check = 'for fd in "$PMI_FD" "$PMIX_SERVER_FD" "$UNLISTED_FD"; do [ -e /proc/self/fd/$fd ] || exit 9; done'
+    try:
+        p = subprocess.run([PYTHON, "-S", str(REPO / "launcher" / "rankexec.py"), "--", "/bin/sh", "-c", check],
+                           env=env, pass_fds=[w for _, w in fds], capture_output=True, text=True, timeout=30)
+    finally:
+        for r, w in fds:
+            os.close(r)
+            os.close(w)
+    assert p.returncode == 0, p.stderr
+    assert "dtrun-rank-start: rank=0" in p.stderr
+
+
+# ---- signals on this host ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGHUP, 129), (signal.SIGQUIT, 131), (signal.SIGTERM, 143)])
+def test_terminating_signal_stops_the_job_and_leaves_nothing(tmp_path, sig, code):
+    token, script = _script(tmp_path, SLEEPER, f"sig{int(sig)}")
+    proc = _start([DTRUN, "-np", "2", "python", script])
+    _wait_up(proc, 2)
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    rc, _, err = _finish(proc)
+    assert rc == code, err
+    assert time.monotonic() - t0 < 10
+    assert f"dtrun: stopped by {signal.Signals(sig).name}" in err
+    assert wait_until_empty(lambda: _procs_with(token)) == [], "ranks left alive"
+
+
+def test_pipe_closed_by_head_is_not_blamed_on_a_rank():
+    prog = "import time\nfor i in range(100):\n    print('line', i, flush=True)\n    time.sleep(0.05)\n"
+    proc = subprocess.Popen([DTRUN, "-np", "2", "python", "-c", prog], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=user_env(), cwd=REPO, stdin=subprocess.DEVNULL)
+    assert proc.stdout.readline().startswith(b"line")
+    proc.stdout.close()  # what `| head -1` does after its first line
+    try:
+        err = proc.stderr.read().decode()
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 141, err
+    assert "stdout was closed" in err
+    assert "killed by SIGTERM" not in err
+
+
+def test_kill_9_of_one_rank_names_that_rank():
+    prog = ("import os, time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\nc.Barrier()\n"
+            "print('up', c.rank, os.getpid(), flush=True)\nwhile True:\n    c.allreduce(1)\n    time.sleep(0.01)\n")
+    proc = _start([DTRUN, "-np", "3", "--oversubscribe", "python", "-c", prog])
+    pids = _wait_up(proc, 3)
+    os.kill(pids[1], signal.SIGKILL)  # as the OOM killer would
+    rc, _, err = _finish(proc, 60)
+    assert rc == 137, err
+    assert f"dtrun: job failed: rank 1 on {HOST} killed by SIGKILL" in err
+
+
+def test_timeout_stops_the_job_with_exit_124():
+    t0 = time.monotonic()
+    p = dtrun("--timeout", "3", "-np", "2", "python", "-c", "import time; time.sleep(120)", timeout=60)
+    assert p.returncode == 124, p.stderr
+    assert time.monotonic() - t0 < 30
+    assert "the job ran longer than --timeout 3 s" in p.stderr
+
+
+def test_bad_time_limits_are_usage_errors():
+    for value in ("nan", "inf", "-1"):
+        p = dtrun("--timeout", value, "-np", "1", "true")
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.startswith("dtrun: error: --timeout") and "Traceback" not in p.stderr
+
+
+# ---- across hosts ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster2():
+    """Two namespace hosts for this module; tests that silence a host restore it."""
+    skip_if_unavailable()
+    cluster = nscluster.Cluster(2).up()
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+
+
+def _silence(host, on=True):
+    """Drop every packet in and out of ``host`` (its sshd, daemons and ranks go silent)."""
+    op = "-I" if on else "-D"
+    for chain in ("INPUT", "OUTPUT"):
+        subprocess.run(["ip", "netns", "exec", host.netns, "iptables", op, chain, "-j", "DROP"], check=on,
+                       capture_output=True, timeout=30)
+
+
+def _hosts(cluster):
+    return ",".join(f"{h.name}:1" for h in cluster.hosts)
+
+
+def _on_host(cluster, host, token):
+    """Processes of ``host`` (its network namespace) whose command line holds ``token``."""
+    pids = set(nscluster._netns_pids(host.netns))
+    return [p for p in _procs_with(token) if p.pid in pids]
+
+
+def _kill_leftovers(token):
+    for p in _procs_with(token):
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.mark.cluster
+def test_sighup_stops_the_job_on_every_host(cluster2, tmp_path):
+    token, script = _script(tmp_path, SLEEPER, "mh-hup")
+    proc = _start([DTRUN, "--ssh-config", cluster2.ssh_config, "-H", _hosts(cluster2), "--no-tag-output",
+                   "python", script])
+    _wait_up(proc, 2)
+    assert all(_on_host(cluster2, h, token) for h in cluster2.hosts)
+    proc.send_signal(signal.SIGHUP)
+    rc, _, err = _finish(proc)
+    assert rc == 129, err
+    assert wait_until_empty(lambda: _procs_with(token) + _procs_with(str(cluster2.ssh_config))) == []
+
+
+@pytest.mark.cluster
+def test_sigterm_with_a_silent_host_exits_fast_and_leaves_no_local_process(cluster2, tmp_path):
+    token, script = _script(tmp_path, SLEEPER, "mh-silent")
+    proc = _start([DTRUN, "--ssh-config", cluster2.ssh_config, "-H", _hosts(cluster2), "--no-tag-output",
+                   "python", script])
+    silent = cluster2.hosts[1]
+    try:
+        _wait_up(proc, 2)
+        local = [c for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert any("ssh" in c.name() for c in local), local  # the ssh clients that must not be orphaned
+        _silence(silent)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc, _, err = _finish(proc)
+        took = time.monotonic() - t0
+        assert rc == 143, err
+        assert took < 8, f"dtrun took {took:.1f} s to exit after SIGTERM"  # target: about 5 s
+        assert [c for c in local if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
+        assert not [p for p in _procs_with(token) if p.pid not in set(nscluster._netns_pids(silent.netns))]
+    finally:
+        _silence(silent, on=False)
+        _kill_leftovers(token)
+
+
+@pytest.mark.cluster
+def test_timeout_stops_a_job_whose_host_went_silent(cluster2, tmp_path):
+    token, script = _script(tmp_path, SLEEPER, "mh-timeout")
+    proc = _start([DTRUN, "--ssh-config", cluster2.ssh_config, "-H", _hosts(cluster2), "--no-tag-output",
+                   "--timeout", "15", "python", script])
+    silent = cluster2.hosts[1]
+    try:
+        _wait_up(proc, 2)
+        _silence(silent)
+        rc, _, err = _finish(proc, 60)
+        assert rc == 124, err
+        assert "the job ran longer than --timeout 15 s" in err
+    finally:
+        _silence(silent, on=False)
+        _kill_leftovers(token)
+
+
+@pytest.mark.cluster
+def test_start_timeout_names_the_host_whose_ranks_never_started(cluster2):
+    silent = cluster2.hosts[1]
+    _silence(silent)
+    try:
+        t0 = time.monotonic()
+        p = dtrun("--ssh-config", cluster2.ssh_config, "-H", _hosts(cluster2), "--no-preflight",
+                  "--start-timeout", "2", "python", "-c", "import time; time.sleep(60)", timeout=60)
+        assert p.returncode == 124, p.stderr
+        assert time.monotonic() - t0 < 20
+        not_up = p.stderr.split("not up:", 1)[1]
+        assert f"{silent.name} (rank 1)" in not_up, p.stderr
+    finally:
+        _silence(silent, on=False)
+
+
+@pytest.mark.cluster
+def test_preflight_cache_never_hides_a_host_that_went_dark(cluster2):
+    args = ("--ssh-config", cluster2.ssh_config, "-H", _hosts(cluster2), "python", "-c", "print('ok')")
+    assert dtrun(*args).returncode == 0  # a good launch fills the preflight cache
+    silent = cluster2.hosts[1]
+    _silence(silent)
+    try:
+        t0 = time.monotonic()
+        p = dtrun(*args, timeout=120)
+        assert time.monotonic() - t0 < 30
+        assert p.returncode != 0
+        assert f"dtrun: preflight: {silent.name}" in p.stderr, p.stderr
+    finally:
+        _silence(silent, on=False)
+
+
+@pytest.mark.cluster
+def test_killed_daemon_is_named_with_its_host(cluster2, tmp_path):
+    token, script = _script(tmp_path, SLEEPER, "mh-daemon")
+    proc = _start([DTRUN, "--ssh-config", cluster2.ssh_config, "-H", _hosts(cluster2), "--no-tag-output",
+                   "python", script])
+    victim = cluster2.hosts[1]
+    try:
+        _wait_up(proc, 2)
+        daemons = [p for p in _on_host(cluster2, victim, "prted")]
+        assert daemons
+        for d in daemons:
+            d.kill()
+        rc, _, err = _finish(proc, 60)
+        assert rc != 0, err
+        assert f"the MPI daemon on {victim.name} died" in err
+        assert wait_until_empty(lambda: _procs_with(token), timeout=10) == []  # its ranks stop too
+    finally:
+        _kill_leftovers(token)
+
+
+@pytest.mark.cluster
+def test_log_dir_keeps_all_of_a_remote_ranks_large_output(cluster2, tmp_path):
+    """Open MPI can drop a remote rank's output at the end of a job; --log-dir never does."""
+    n = 200_000
+    prog = f"import sys\nw = sys.stdout.write\nfor i in range({n}):\n    w('%08d %s\\n' % (i, 'x' * 90))\n"
+    p = dtrun("--ssh-config", cluster2.ssh_config, "-H", f"{cluster2.hosts[0].name}:1", "--log-dir",
+              tmp_path / "logs", "python", "-c", prog, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = (tmp_path / "logs" / "rank.0.log").read_text().splitlines()
+    assert len(lines) == n and lines[-1].startswith(f"{n - 1:08d}")
+
+
+@pytest.mark.cluster
+def test_output_lost_by_open_mpi_is_never_lost_silently(cluster2):
+    """Open MPI can drop the end of a remote rank's large output when the job ends (bare mpirun
+    too); whenever lines are missing, dtrun says so and names the rank."""
+    n = 200_000
+    prog = f"import sys\nw = sys.stdout.write\nfor i in range({n}):\n    w('%08d %s\\n' % (i, 'x' * 90))\n"
+    for _ in range(2):
+        p = dtrun("--ssh-config", cluster2.ssh_config, "-H", f"{cluster2.hosts[0].name}:1", "--no-tag-output",
+                  "python", "-c", prog, timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+        got = p.stdout.count("\n")
+        warned = f"the end of the output of rank 0 on {cluster2.hosts[0].name} did not arrive" in p.stderr
+        assert got <= n and "dtrun-rank-eof" not in p.stdout
+        assert warned == (got < n), (got, p.stderr[-500:])
