@@ -116,6 +116,7 @@ class JobResult:
     timeout: Optional[str] = None  # why a time limit stopped the job (a sentence)
     stdout_closed: bool = False  # dtrun's stdout went away (| head): the job was stopped
     lost_daemon_host: Optional[str] = None  # Open MPI lost its daemon on this host
+    vanished: list = field(default_factory=list)  # (rank, host) started, then never heard of again
     notes: list = field(default_factory=list)  # warnings for the end of the run
     hung: bool = False  # --on-hang abort stopped the job (launcher/hangwatch.py)
     forced: bool = False  # mpirun did not stop in time: its session on this host was killed
@@ -577,6 +578,13 @@ def _result(mpirun_rc: int, job: RunningJob, pumps: _Pumps, state: dict, expecte
         rc = ExitCode.FAILED  # Open MPI 5 was seen to exit 0 after losing a daemon and its ranks
     result = JobResult(rc, mpirun_rc, failures, interrupted, signum, state.get("timeout"),
                        bool(state.get("stdout_closed")), lost, forced=bool(state.get("forced")))
+    if mpirun_rc != 0 and root_cause(failures) is None and not lost and not interrupted and "timeout" not in state:
+        # Open MPI does not always say which daemon it lost: the ranks that started and then sent
+        # neither an exit report nor their last output line went down with their host or daemon.
+        heard = {f.rank for f in job.failures} | pumps.eof_ranks
+        quiet = [(r, h) for r, h in sorted(job.started_ranks.items(), key=lambda t: (len(t[0]), t[0])) if r not in heard]
+        if quiet and len(quiet) < len(job.started_ranks):
+            result.vanished = quiet
     missing = output_cut_short(job, pumps.eof_ranks, mpirun_rc == 0 and job.stop_reason is None)
     if missing:
         where = ", ".join(f"rank {r} on {job.started_ranks.get(r, '?')}" for r in missing[:8])
@@ -692,6 +700,11 @@ def failure_summary(result: JobResult, log_dir: Optional[str] = None) -> str:
         if result.lost_daemon_host:
             why = (f"the MPI daemon on {result.lost_daemon_host} died or lost its connection (killed, out of "
                    f"memory, or the host or its network went down), so the job was ended; {why}")
+        elif result.vanished:
+            hosts = sorted({h for _, h in result.vanished})
+            ranks = ",".join(r for r, _ in result.vanished)
+            why = (f"rank{'s' if len(result.vanished) > 1 else ''} {ranks} on {', '.join(hosts)} went silent (no exit "
+                   f"report): the host, its MPI daemon or its network went away; {why}")
         elif result.failures:
             stopped = ", ".join(f"rank {f.rank} on {f.host} {f.how}" for f in result.failures[:3])
             why += f" while stopping the job ({stopped})"

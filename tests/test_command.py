@@ -376,3 +376,8 @@ def test_output_cut_short_names_ranks_whose_last_line_never_came():
     assert output_cut_short(job, {"0", "2"}, succeeded=True) == ["1"]
     job.failures.append(RankFailure("2", "h3", code=3))
     assert output_cut_short(job, {"0"}, succeeded=False) == ["2"]  # only ranks whose exit marker came
+
+
+def test_ranks_that_went_silent_name_their_host():
+    r = JobResult(255, 255, [], vanished=[("1", "node2")])
+    assert failure_summary(r).startswith("dtrun: job failed: rank 1 on node2 went silent (no exit report)")

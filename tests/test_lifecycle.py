@@ -285,7 +285,17 @@ def test_killed_daemon_is_named_with_its_host(cluster2, tmp_path):
             d.kill()
         rc, _, err = _finish(proc, 60)
         assert rc != 0, err
-        assert f"the MPI daemon on {victim.name} died" in err
+        summary = err[err.index("dtrun: job failed"):]
+        # Open MPI usually reports the lost daemon, and then dtrun names its host; otherwise the
+        # host whose ranks went silent is named, when the other ranks' reports came through.
+        # (Seen about 1 run in 5 under load: mpirun exits 255 with no word at all, and then
+        # nothing is left to name the host by; the summary must then not blame a rank.)
+        if "lost communication with a remote daemon" in err:
+            assert f"the MPI daemon on {victim.name} died" in summary, err
+        elif "went silent" in summary:
+            assert f"rank 1 on {victim.name} went silent" in summary, err
+        else:
+            assert summary.startswith("dtrun: job failed: mpirun exited with code"), err
         assert wait_until_empty(lambda: _procs_with(token), timeout=10) == []  # its ranks stop too
     finally:
         _kill_leftovers(token)
@@ -299,7 +309,7 @@ def test_log_dir_keeps_all_of_a_remote_ranks_large_output(cluster2, tmp_path):
     p = dtrun("--ssh-config", cluster2.ssh_config, "-H", f"{cluster2.hosts[0].name}:1", "--log-dir",
               tmp_path / "logs", "python", "-c", prog, timeout=120)
     assert p.returncode == 0, p.stderr
-    lines = (tmp_path / "logs" / "rank.0.log").read_text().splitlines()
+    lines = (tmp_path / "logs" / "latest" / "rank.0.log").read_text().splitlines()
     assert len(lines) == n and lines[-1].startswith(f"{n - 1:08d}")
 
 
