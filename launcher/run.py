@@ -720,7 +720,8 @@ def failure_summary(result: JobResult, log_dir: Optional[str] = None) -> str:
               f"    rank       : {first.rank}",
               f"    host       : {first.host}",
               f"    {'signal' if first.signum is not None else 'exit code':<11}: "
-              f"{signal_name(first.signum) + f' ({first.signum})' if first.signum is not None else first.code}"]
+              f"{signal_name(first.signum) + f' ({first.signum})' if first.signum is not None else first.code}"
+              if first.signum is not None or first.code is not None else "    exit code  : none (MPI aborted the job)"]
     if log_dir:
         lines.append(f"    log        : {os.path.join(log_dir, f'rank.{first.rank}.log')}")
     return "\n".join(lines)
