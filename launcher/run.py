@@ -61,7 +61,7 @@ STOP_SIGNALS = tuple(s for s in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, s
                                  getattr(signal, "SIGXFSZ", None), getattr(signal, "SIGPWR", None),
                                  getattr(signal, "SIGIO", None)) if s is not None)
 # mpirun gets this long after SIGINT to stop its ranks; then its whole session is killed.
-STOP_GRACE_S = 3.0
+STOP_GRACE_S = 4.0
 # After a rank's failure marker, mpirun gets this long to end the job by itself (Open MPI
 # does in about 2 s); then dtrun stops it (MPICH's Hydra lets the other ranks run on).
 FAILURE_GRACE_S = 3.0
