@@ -236,6 +236,15 @@ def hydra_iface(spec: LaunchSpec) -> tuple[Optional[str], list[str]]:
         return None, [f"{cidr} ({spec.iface_reason}): Hydra takes an interface name, not a subnet, and the "
                       "interface names on the hosts are not known (the preflight reads them unless skipped); "
                       "--include-iface NAME sets one"]
+    from launcher import safe
+
+    def plain(name):  # the names come from the hosts' own `ip addr`: only plain interface names pass
+        try:
+            return safe.iface(name, "interface") == name and "/" not in name
+        except safe.InvalidValue:
+            return False
+
+    per_host = {h: [n for n in v if plain(n)] for h, v in per_host.items()}
     found = {n for v in per_host.values() for n in v}
     missing = [h for h, v in per_host.items() if not v]
     if len(found) == 1 and not missing:

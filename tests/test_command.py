@@ -381,3 +381,9 @@ def test_output_cut_short_names_ranks_whose_last_line_never_came():
 def test_ranks_that_went_silent_name_their_host():
     r = JobResult(255, 255, [], vanished=[("1", "node2")])
     assert failure_summary(r).startswith("dtrun: job failed: rank 1 on node2 went silent (no exit report)")
+
+
+def test_hydra_iface_takes_only_plain_interface_names_from_the_hosts():
+    hostile = (("s1", (("eth0;reboot", "10.1.0.11/24"),)), ("s2", (("eth0;reboot", "10.1.0.12/24"),)))
+    s = spec(include_iface=("10.1.0.0/24",), host_ifaces=hostile)
+    assert "reboot" not in line(build_command(s, HYDRA))
