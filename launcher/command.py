@@ -278,9 +278,9 @@ def _mpich_groups(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
     g = [ArgGroup((flavor.mpirun, "-n", str(spec.np)), f"{spec.np} ranks; mpiexec by absolute path")]
     g.append(ArgGroup(("-hosts", _hosts_arg(spec.hosts)), f"hosts and slots from {spec.host_source}"))
     iface, _ = hydra_iface(spec)
-    if iface:
+    if iface and "-iface" not in spec.mpi_args:  # the user's own -iface (--mpi-args) wins; Hydra takes one
         g.append(ArgGroup(("-iface", iface), f"MPI traffic on {iface} ({spec.iface_reason})"))
-    if spec.launcher_addr and not spec.local_only:
+    if spec.launcher_addr and not spec.local_only and "-localhost" not in spec.mpi_args:
         g.append(ArgGroup(("-localhost", spec.launcher_addr),
                           "proxies connect back to this address on the shared subnet (this host's own name may "
                           "resolve to a loopback address elsewhere)"))

@@ -387,3 +387,11 @@ def test_hydra_iface_takes_only_plain_interface_names_from_the_hosts():
     hostile = (("s1", (("eth0;reboot", "10.1.0.11/24"),)), ("s2", (("eth0;reboot", "10.1.0.12/24"),)))
     s = spec(include_iface=("10.1.0.0/24",), host_ifaces=hostile)
     assert "reboot" not in line(build_command(s, HYDRA))
+
+
+def test_users_own_hydra_iface_in_mpi_args_is_not_doubled():
+    ifaces = (("s1", (("eth0", "10.1.0.11/24"),)), ("s2", (("eth0", "10.1.0.12/24"),)))
+    s = spec(include_iface=("10.1.0.0/24",), host_ifaces=ifaces, launcher_addr="10.1.0.1",
+             mpi_args=("-iface", "ib0", "-localhost", "10.2.0.1"))
+    args = build_command(s, HYDRA)
+    assert args.count("-iface") == 1 and args.count("-localhost") == 1
