@@ -89,7 +89,7 @@ def test_rank_wrapper_keeps_every_descriptor_the_launcher_hands_the_rank():
 
 # ---- signals on this host ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGHUP, 129), (signal.SIGQUIT, 131), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGHUP, 129), (signal.SIGUSR2, 140), (signal.SIGTERM, 143)])
 def test_terminating_signal_stops_the_job_and_leaves_nothing(tmp_path, sig, code):
     token, script = _script(tmp_path, SLEEPER, f"sig{int(sig)}")
     proc = _start([DTRUN, "-np", "2", "python", script])
