@@ -1,0 +1,125 @@
+"""Behaviours of collectives.dp that tests/test_dp.py checks from outside, one per mode.
+
+Usage: python tests/dp_cases.py MODE   (under ``dtrun -np N``; prints ``RESULT {json}``)
+
+Modes:
+  before-init   call broadcast_parameters without init() (must raise NotInitializedError)
+  mismatch      rank 1 builds a wider hidden layer (every rank must raise, naming it)
+  unused        rank 1 skips a branch of the model: no hang; a branch no rank used keeps
+                grad None; the averaged gradient counts rank 1's zeros
+  clip          synchronize(), clip, step() under skip_synchronize()
+  api           broadcast_object, allreduce_metric, shard
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import torch
+
+import collectives.dp as dp
+
+
+def report(**kw) -> None:
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+class TwoBranch(torch.nn.Module):
+    def __init__(self, hidden: int = 8):
+        super().__init__()
+        self.a = torch.nn.Linear(4, hidden)
+        self.b = torch.nn.Linear(4, hidden)
+        self.never = torch.nn.Linear(4, hidden)
+        self.head = torch.nn.Linear(hidden, 1)
+
+    def forward(self, x, use_b: bool):
+        h = self.a(x) + (self.b(x) if use_b else 0)
+        return self.head(torch.tanh(h))
+
+
+def main(mode: str) -> None:
+    torch.manual_seed(0)
+    if mode == "before-init":
+        try:
+            dp.broadcast_parameters(torch.nn.Linear(2, 2))
+        except dp.NotInitializedError as e:
+            report(error=str(e))
+        return
+    ctx = dp.init()
+    if mode == "mismatch":
+        model = TwoBranch(hidden=16 if ctx.rank == 1 else 8)
+        try:
+            dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                    named_parameters=model.named_parameters())
+        except dp.ParameterMismatchError as e:
+            report(rank=ctx.rank, error=str(e))
+        return
+    if mode == "unused":
+        model = TwoBranch()
+        dp.broadcast_parameters(model)
+        opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(),
+                                      bucket_bytes=64)  # one bucket per parameter or so
+        x = torch.ones(2, 4)
+        for _ in range(3):  # several steps: the buckets must come back in step
+            opt.zero_grad()
+            model(x, use_b=ctx.rank != 1).sum().backward()
+            local_b = None if model.b.weight.grad is None else model.b.weight.grad.clone()
+            opt.synchronize()
+            with opt.skip_synchronize():
+                opt.step()
+        report(rank=ctx.rank, never_grad_none=model.never.weight.grad is None,
+               b_grad=float(model.b.weight.grad.sum()),
+               b_local=None if local_b is None else float(local_b.sum()),
+               checksum=float(sum(p.detach().double().sum() for p in model.parameters())))
+        return
+    if mode == "clip":
+        model = TwoBranch()
+        dp.broadcast_parameters(model)
+        opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters())
+        x = torch.full((2, 4), float(ctx.rank + 1))
+        opt.zero_grad()
+        (model(x, use_b=True).sum() * 100).backward()
+        opt.synchronize()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        total = float(torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters()
+                                     if p.grad is not None)))
+        with opt.skip_synchronize():
+            opt.step()
+        try:  # a second backward without step() is a usage error, said clearly
+            opt.zero_grad()
+            model(x, use_b=True).sum().backward()
+            model(x, use_b=True).sum().backward()
+            err = None
+        except Exception as e:  # noqa: BLE001 - the message is what the test checks
+            err = str(e)
+        report(rank=ctx.rank, norm_before=norm, norm_after=total, double_backward=err)
+        return
+    if mode == "api":
+        obj = dp.broadcast_object({"epoch": 7, "rank": ctx.rank} if ctx.rank == 0 else None)
+        metric = dp.allreduce_metric(float(ctx.rank))
+        tmetric = dp.allreduce_metric(torch.tensor([ctx.rank, 1.0]), op="sum").tolist()
+        parts = [dp.shard(10, seed=3).tolist() for _ in range(2)]
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        if ctx.rank == 0:  # only root has optimizer state, and another lr
+            model(torch.ones(1, 3)).sum().backward()
+            opt.step()
+            opt.param_groups[0]["lr"] = 0.5
+        dp.broadcast_optimizer_state(opt)
+        st = opt.state_dict()
+        report(rank=ctx.rank, obj=obj, metric=metric, tmetric=tmetric, shard=parts[0],
+               shard_again=parts[1], lr=st["param_groups"][0]["lr"],
+               step=float(st["state"][0]["step"]) if st["state"] else None,
+               is_adam=isinstance(dp.DistributedOptimizer(opt), torch.optim.Adam))
+        return
+    raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    np.seterr(all="raise")
+    main(sys.argv[1])

@@ -1,0 +1,182 @@
+"""collectives.dp (data-parallel PyTorch): equivalence with single-rank training on real
+ranks under dtrun, bit-identical parameters on every rank, the error cases, and the
+example. Skipped with the reason where PyTorch is not installed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.dtrun_helpers import REPO, dtrun, user_env
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (collectives.dp needs it)")
+PYTHON = sys.executable
+
+
+def launch(n: int, *program: str, timeout: float = 180, env_vars: dict | None = None):
+    forwards = []
+    for name in env_vars or {}:
+        forwards += ["-x", name]
+    return dtrun("-np", n, "-H", f"localhost:{n}", "--oversubscribe", *forwards, PYTHON,
+                 *program, timeout=timeout, env=user_env(**(env_vars or {})))
+
+
+def results(proc) -> list[dict]:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = [json.loads(line[line.find("RESULT ") + 7:]) for line in proc.stdout.splitlines()
+             if "RESULT {" in line]
+    return sorted(found, key=lambda r: r.get("rank", 0))
+
+
+# ----------------------------------------------------------------------------- pure parts
+def test_shard_partitions_every_item_once_per_seed():
+    from collectives.dp import shard
+
+    for n_items, size in [(10, 3), (12, 4), (5, 8), (0, 2), (7, 1)]:
+        parts = [shard(n_items, seed=5, rank=r, size=size) for r in range(size)]
+        assert len({len(p) for p in parts}) <= 1  # same number of steps on every rank
+        covered = np.concatenate(parts) if parts else np.array([])
+        assert set(covered.tolist()) == set(range(n_items))  # none left out
+        padded = len(covered) - n_items
+        assert padded == (-n_items) % size  # only the padding repeats
+        again = [shard(n_items, seed=5, rank=r, size=size) for r in range(size)]
+        assert all(np.array_equal(a, b) for a, b in zip(parts, again))  # same every epoch
+    a = shard(100, seed=1, rank=0, size=2)
+    assert not np.array_equal(a, shard(100, seed=2, rank=0, size=2))
+    assert not np.array_equal(a, shard(100, seed=1, rank=1, size=2))
+    uneven = [shard(10, seed=0, even=False, rank=r, size=3) for r in range(3)]
+    assert sorted(np.concatenate(uneven).tolist()) == list(range(10))
+
+
+def test_first_difference_names_parameter_and_rank():
+    from collectives.dp import _first_difference
+
+    ref = [("fc.weight", (4, 2), "float32"), ("fc.bias", (4,), "float32")]
+    assert _first_difference([ref, list(ref)]) is None
+    assert _first_difference([ref, ref, [ref[0], ("fc.bias", (5,), "float32")]]) == \
+        "parameter 'fc.bias' has shape (5,) on rank 2 but (4,) on rank 0"
+    assert _first_difference([ref, ref[:1]]) == "parameter 'fc.bias' exists on rank 0 but not on rank 1"
+    assert _first_difference([ref, ref + [("extra", (1,), "float32")]]) == \
+        "parameter 'extra' exists on rank 1 but not on rank 0"
+    assert "is float64 on rank 1" in _first_difference([ref, [("fc.weight", (4, 2), "float64"), ref[1]]])
+
+
+def test_calling_before_init_says_so():
+    proc = subprocess.run([PYTHON, str(REPO / "tests" / "dp_cases.py"), "before-init"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    (res,) = results(proc)
+    assert res["error"].startswith("broadcast_parameters on rank ?: called before init()")
+
+
+# ----------------------------------------------------------------------------- equivalence
+def _train(n: int, tmp_path, *extra, env_vars=None) -> list[dict]:
+    out = tmp_path / f"np{n}"
+    script = str(REPO / "tests" / "dp_train.py")
+    if n == 1:
+        proc = subprocess.run([PYTHON, script, str(out), *extra], capture_output=True,
+                              text=True, timeout=180, cwd=REPO)
+    else:
+        proc = launch(n, script, str(out), *extra, env_vars=env_vars)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [dict(np.load(out / f"rank.{r}.npz")) for r in range(n)]
+    assert all(int(r["size"]) == n for r in ranks)
+    return ranks
+
+
+def _check_equivalent(ranks: list[dict], rtol: float, atol: float) -> None:
+    keys = [k[:-5] for k in ranks[0] if k.endswith("-dist")]
+    assert len(keys) == 8  # {mlp, cnn} x {sgd, adam} x accumulation {1, 2}
+    for key in keys:
+        ref, dist = ranks[0][f"{key}-ref"], ranks[0][f"{key}-dist"]
+        assert np.abs(ref).max() > 0.1  # a real, trained model
+        np.testing.assert_allclose(dist, ref, rtol=rtol, atol=atol, err_msg=key)
+        for r, other in enumerate(ranks[1:], start=1):  # bit-identical on every rank
+            assert other[f"{key}-dist"].tobytes() == dist.tobytes(), f"{key}: rank {r} differs"
+
+
+def test_one_rank_equals_plain_pytorch(tmp_path):
+    _check_equivalent(_train(1, tmp_path), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
+def test_two_ranks_equal_one_rank_many_buckets_shared_memory(tmp_path):
+    # Tiny buckets (one or two parameters each, several allreduces in flight) and the
+    # shared-memory allreduce for all of them (threshold lowered below the bucket sizes).
+    ranks = _train(2, tmp_path, "--bucket-bytes", "256", env_vars={"DTRUN_SHM_THRESHOLD": "1"})
+    _check_equivalent(ranks, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
+def test_four_ranks_equal_one_rank(tmp_path):
+    _check_equivalent(_train(4, tmp_path), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
+def test_fp16_compression_close_to_one_rank(tmp_path):
+    ranks = _train(2, tmp_path, "--compression", "fp16")
+    _check_equivalent(ranks, rtol=0, atol=2e-2)
+
+
+# ----------------------------------------------------------------------------- behaviours
+@pytest.mark.mpi
+def test_mismatched_parameters_fail_on_every_rank_naming_them():
+    res = results(launch(2, str(REPO / "tests" / "dp_cases.py"), "mismatch", timeout=120))
+    assert [r["rank"] for r in res] == [0, 1]
+    for r in res:
+        assert r["error"] == (f"DistributedOptimizer on rank {r['rank']}: parameter 'a.weight' "
+                              "has shape (16, 4) on rank 1 but (8, 4) on rank 0; every rank must "
+                              "build the same model and pass the same parameters")
+
+
+@pytest.mark.mpi
+def test_parameter_without_gradient_on_one_rank_does_not_hang():
+    res = results(launch(2, str(REPO / "tests" / "dp_cases.py"), "unused", timeout=120))
+    assert [r["rank"] for r in res] == [0, 1]
+    r0, r1 = res
+    assert r1["b_local"] is None  # rank 1 never used branch b ...
+    assert r0["b_grad"] == pytest.approx(r0["b_local"] / 2)  # ... so it counts as zeros
+    assert r1["b_grad"] == r0["b_grad"]
+    assert r0["never_grad_none"] and r1["never_grad_none"]  # unused everywhere: None
+    assert r0["checksum"] == r1["checksum"]
+
+
+@pytest.mark.mpi
+def test_synchronize_then_clip_then_step():
+    res = results(launch(2, str(REPO / "tests" / "dp_cases.py"), "clip", timeout=120))
+    for r in res:
+        assert r["norm_before"] > 1.0 and r["norm_after"] == pytest.approx(1.0, rel=1e-5)
+        assert "more than backward_passes_per_step=1 times before step()" in r["double_backward"]
+    assert res[0]["norm_before"] == res[1]["norm_before"]  # the clipped gradient is the average
+
+
+@pytest.mark.mpi
+def test_broadcasts_metric_and_shard():
+    res = results(launch(2, str(REPO / "tests" / "dp_cases.py"), "api", timeout=120))
+    assert [r["rank"] for r in res] == [0, 1]
+    for r in res:
+        assert r["obj"] == {"epoch": 7, "rank": 0}
+        assert r["metric"] == 0.5 and r["tmetric"] == [1.0, 2.0]
+        assert r["shard"] == r["shard_again"]
+        assert r["lr"] == 0.5 and r["step"] == 1.0  # root's optimizer state everywhere
+        assert r["is_adam"]  # the wrapper is still an Adam (LR schedulers accept it)
+    assert sorted(res[0]["shard"] + res[1]["shard"]) == list(range(10))
+
+
+# ----------------------------------------------------------------------------- example
+@pytest.mark.mpi
+def test_example_reaches_single_rank_accuracy():
+    script = str(REPO / "examples" / "train_mnist_like.py")
+    one = subprocess.run([PYTHON, script], capture_output=True, text=True, timeout=180, cwd=REPO)
+    four = launch(4, script, timeout=240)
+    accs = []
+    for proc in (one, four):
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        final = [line for line in proc.stdout.splitlines() if "final test accuracy" in line]
+        assert len(final) == 1, proc.stdout  # printed by rank 0 only
+        accs.append(float(final[0].split()[-1].rstrip("%")))
+    assert accs[0] > 85.0, accs  # the synthetic task is learnable
+    assert abs(accs[0] - accs[1]) <= 1.0, accs
