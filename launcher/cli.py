@@ -61,6 +61,7 @@ def run(
     log_dir: Optional[str] = typer.Option(None, "--log-dir", help="Write each rank's output to DIR/rank.N.log."),
     nccl_debug: Optional[str] = typer.Option(None, "--nccl-debug", help="Set NCCL_DEBUG=LEVEL on every rank (e.g. INFO, WARN)."),
     no_tree_spawn: bool = typer.Option(False, "--no-tree-spawn", help="Start all remote daemons from this host (Open MPI)."),
+    pin_gpus: bool = typer.Option(False, "--pin-gpus", help="Show each rank one GPU (CUDA_VISIBLE_DEVICES = local rank modulo the GPUs), for programs that do not pick one."),
     mpirun: Optional[str] = typer.Option(None, "--mpirun", help="The mpirun/mpiexec to use (default: the one in this environment, then PATH)."),
     ssh_config: Optional[str] = _SSH_CONFIG,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the mpirun command with the reason for each flag; run nothing."),
@@ -86,6 +87,7 @@ def run(
         no_tree_spawn=no_tree_spawn, mpirun=mpirun, ssh_config=ssh_config, dry_run=dry_run,
         preflight=not no_preflight, verbose=verbose, hang_timeout=hang_timeout, on_hang=on_hang,
         timeout=timeout, start_timeout=start_timeout,
+        pin_gpus=pin_gpus,
     )
     raise typer.Exit(launch(opts))
 

@@ -57,6 +57,9 @@ class LaunchSpec:
     # interfaces the preflight saw: (host, ((name, address/prefix), ...)) per remote host
     host_ifaces: tuple = ()
     launcher_addr: Optional[str] = None  # this host's address on the shared subnet (Hydra's -localhost)
+    master_addr: Optional[str] = None  # torch.distributed env:// rendezvous (launcher/rendezvous.py)
+    master_port: Optional[int] = None
+    pin_gpus: bool = False  # --pin-gpus: the rank wrapper sets CUDA_VISIBLE_DEVICES per local rank
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,11 @@ def _env_list(spec: LaunchSpec) -> list[tuple[str, Optional[str], str]]:
                         "'^docker0' alone would let NCCL pick lo)"))
     if spec.nccl_debug:
         out.append(("NCCL_DEBUG", spec.nccl_debug, "--nccl-debug"))
+    if spec.master_addr:
+        out.append(("MASTER_ADDR", spec.master_addr, "rank 0's host, for torch.distributed's env:// rendezvous"))
+        out.append(("MASTER_PORT", str(spec.master_port), "a port chosen free at launch, the same on every rank"))
+    if spec.pin_gpus:
+        out.append(("DTRUN_PIN_GPUS", "1", "--pin-gpus: each rank sees one GPU (local rank modulo the GPUs)"))
     if spec.log_dir:
         out.append(("DTRUN_LOG_DIR", spec.log_dir, "--log-dir: this run's own directory (DIR/latest points to it); each rank writes rank.N.log there"))
     if spec.job_dir:

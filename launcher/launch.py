@@ -58,6 +58,7 @@ class LaunchOptions:
     ssh_config: Optional[str] = None
     dry_run: bool = False
     rank_wrapper: bool = True
+    pin_gpus: bool = False  # CUDA_VISIBLE_DEVICES per local rank, set by the rank wrapper
     preflight: bool = True  # check ssh and choose interfaces before a multi-host launch (checks/preflight.py)
     verbose: bool = False  # print the decisions (the --dry-run text) on stderr before launching
     # Set by the preflight, never from the command line: the interface choice and where it came from.
@@ -183,6 +184,9 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
     ssh_files = job_ssh_files(selection, base_ssh, flavor.is_openmpi)
     tag = opts.tag_output if opts.tag_output is not None else (len(selection.hosts) > 1 and not local_only)
     wrapper = (sys.executable, "-S", RANKEXEC, "--") if opts.rank_wrapper else ()
+    from launcher.rendezvous import choose
+
+    master_addr, master_port = choose(selection.hosts, local_only, environ, dict(cmd.parse_env_item(e) for e in opts.env))
     return cmd.LaunchSpec(
         program=resolve_program(opts.program, environ),
         hosts=selection.hosts,
@@ -210,6 +214,9 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
         rank_wrapper=wrapper,
         host_ifaces=tuple(opts.host_ifaces),
         launcher_addr=launcher_addr,
+        master_addr=master_addr,
+        master_port=master_port,
+        pin_gpus=opts.pin_gpus,
     )
 
 

@@ -4,6 +4,11 @@
 
 * exports DTRUN_RANK, DTRUN_LOCAL_RANK, DTRUN_SIZE, DTRUN_LOCAL_SIZE derived from the
   MPI flavor's own variables (Open MPI's OMPI_COMM_WORLD_*, Hydra's PMI_* / MPI_LOCAL*);
+* exports torchrun's RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE from the same
+  values (dtrun sets MASTER_ADDR/MASTER_PORT at launch), so a script that calls
+  ``init_process_group(init_method="env://")`` runs unchanged;
+* with DTRUN_PIN_GPUS=1 (``dtrun --pin-gpus``), sets CUDA_VISIBLE_DEVICES to one GPU:
+  the local rank modulo the GPUs visible (or present) on the host;
 * runs a Python program of the same environment as ``python -m mpi4py ...`` so an
   uncaught exception calls MPI_Abort and stops the whole job instead of leaving the
   other ranks blocked in a collective (what ``python -m mpi4py`` documents);
@@ -57,6 +62,27 @@ def rank_env(environ):
             values = [environ.get(n, "") for n in names]
             return dict(zip(("DTRUN_RANK", "DTRUN_LOCAL_RANK", "DTRUN_SIZE", "DTRUN_LOCAL_SIZE"), values))
     return {"DTRUN_RANK": "0", "DTRUN_LOCAL_RANK": "0", "DTRUN_SIZE": "1", "DTRUN_LOCAL_SIZE": "1"}
+
+
+def torch_env(dtrun_env):
+    """torchrun's names for the rank variables."""
+    return {"RANK": dtrun_env["DTRUN_RANK"], "LOCAL_RANK": dtrun_env["DTRUN_LOCAL_RANK"],
+            "WORLD_SIZE": dtrun_env["DTRUN_SIZE"], "LOCAL_WORLD_SIZE": dtrun_env["DTRUN_LOCAL_SIZE"]}
+
+
+def pinned_gpu(environ, local_rank, dev_dir="/dev"):
+    """The CUDA_VISIBLE_DEVICES value for this local rank: one of the GPUs already
+    visible (an outer CUDA_VISIBLE_DEVICES list), else of /dev/nvidiaN, else the local
+    rank itself (the driver's files may be hidden from this process)."""
+    lr = int(local_rank) if str(local_rank).isdigit() else 0
+    visible = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if visible:
+        return visible[lr % len(visible)]
+    try:
+        n = sum(1 for f in os.listdir(dev_dir) if re.fullmatch(r"nvidia[0-9]+", f))
+    except OSError:
+        n = 0
+    return str(lr % n) if n else str(lr)
 
 
 def _same_environment(prog):
@@ -145,6 +171,9 @@ def main(argv=None):
         return 2
     env = dict(os.environ)
     env.update(rank_env(env))
+    env.update(torch_env(env))
+    if env.get("DTRUN_PIN_GPUS") == "1":
+        env["CUDA_VISIBLE_DEVICES"] = pinned_gpu(env, env["DTRUN_LOCAL_RANK"])
     rank = env["DTRUN_RANK"]
     host = socket.gethostname()
     prog = with_abort_on_exception(argv)

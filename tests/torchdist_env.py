@@ -1,0 +1,29 @@
+"""A script written for torchrun, run unchanged under dtrun (tests/test_torchdist.py).
+
+It only uses torch.distributed's env:// rendezvous (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT), trains one DistributedDataParallel step with gloo and prints
+``RESULT {json}`` per rank.
+"""
+import json
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
+rank, size = dist.get_rank(), dist.get_world_size()
+t = torch.tensor([float(rank + 1)])
+dist.all_reduce(t)
+torch.manual_seed(rank)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+model(torch.full((3, 4), float(rank))).sum().backward()
+grad = model.module.weight.grad.sum().item()
+print("RESULT " + json.dumps({
+    "rank": rank, "size": size, "sum": t.item(), "grad": grad, "host": socket.gethostname(),
+    "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                           "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")},
+}), flush=True)
+dist.barrier()  # no rank tears gloo down while a peer still talks to it
+dist.destroy_process_group()
