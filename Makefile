@@ -45,6 +45,8 @@ bench: setup
 	@if [ -f benchmarks/bench_doctor.py ]; then $(BIN)/python benchmarks/bench_doctor.py; fi
 	$(BIN)/python benchmarks/bench_hang.py
 	@if [ "$$(id -u)" = 0 ]; then $(BIN)/python benchmarks/bench_output.py; else echo "bench_output: needs root (namespace hosts)"; fi
+	@if $(BIN)/python -c 'import torch' 2>/dev/null; then $(BIN)/python benchmarks/bench_ddp.py; \
+	else echo "bench_ddp: PyTorch is not installed; skipped"; fi
 
 cluster-up: setup
 	$(BIN)/python -m tests.nscluster up $(N)
