@@ -513,8 +513,18 @@ class _DistributedOptimizer:
 
     # -- the allreduce of one bucket (background thread, or synchronize())
     def _dp_reduce(self, b: _Bucket) -> None:
-        if b.event is not None:
-            b.event.synchronize()
+        if b.flat.is_cuda:
+            # A new thread starts on device 0: use the bucket's device (and its
+            # current stream, which NCCL orders the allreduce on).
+            with torch.cuda.device(b.flat.device):
+                if b.event is not None:
+                    b.event.synchronize()
+                self._dp_reduce_current(b)
+                torch.cuda.current_stream(b.flat.device).synchronize()
+            return
+        self._dp_reduce_current(b)
+
+    def _dp_reduce_current(self, b: _Bucket) -> None:
         comm = self._dp_ctx.comm
         with _LOCK:
             comm.allreduce(b.buffer, op=self._dp_op, inplace=True)
@@ -529,8 +539,6 @@ class _DistributedOptimizer:
                     p.grad = view.to(p.dtype, copy=True)
                 else:
                     p.grad.copy_(view)
-        if b.flat.is_cuda:
-            torch.cuda.current_stream(b.flat.device).synchronize()
 
     # -- public
     def synchronize(self) -> None:

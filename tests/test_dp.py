@@ -121,6 +121,20 @@ def test_fp16_compression_close_to_one_rank(tmp_path):
     _check_equivalent(ranks, rtol=0, atol=2e-2)
 
 
+@pytest.mark.cluster
+@pytest.mark.mpi
+def test_two_hosts_hierarchical_equal_one_rank(cluster3, tmp_path):
+    # 2 ranks on each of 2 namespace hosts: shared memory within a host, MPI over TCP
+    # between them (the threshold is lowered so every bucket takes that path).
+    names = [h.name for h in cluster3.hosts[:2]]
+    out = tmp_path / "hosts"
+    p = dtrun("--ssh-config", cluster3.ssh_config, "-H", f"{names[0]}:2,{names[1]}:2",
+              "-x", "DTRUN_SHM_THRESHOLD=1", PYTHON, str(REPO / "tests" / "dp_train.py"), str(out),
+              "--bucket-bytes", "4096", timeout=180)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    _check_equivalent([dict(np.load(out / f"rank.{r}.npz")) for r in range(4)], rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- behaviours
 @pytest.mark.mpi
 def test_mismatched_parameters_fail_on_every_rank_naming_them():

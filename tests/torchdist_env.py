@@ -1,24 +1,28 @@
 """A script written for torchrun, run unchanged under dtrun (tests/test_torchdist.py).
 
 It only uses torch.distributed's env:// rendezvous (RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT), trains one DistributedDataParallel step with gloo and prints
+MASTER_PORT), trains one DistributedDataParallel step with gloo (or ``nccl`` given as
+the argument, each rank on GPU LOCAL_RANK) and prints
 ``RESULT {json}`` per rank.
 """
 import json
 import os
 import socket
+import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
+backend = sys.argv[1] if len(sys.argv) > 1 else "gloo"  # or nccl (one GPU per rank)
+dev = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else torch.device("cpu")
+dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=60))
 rank, size = dist.get_rank(), dist.get_world_size()
-t = torch.tensor([float(rank + 1)])
+t = torch.tensor([float(rank + 1)], device=dev)
 dist.all_reduce(t)
 torch.manual_seed(rank)
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
-model(torch.full((3, 4), float(rank))).sum().backward()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2).to(dev))
+model(torch.full((3, 4), float(rank), device=dev)).sum().backward()
 grad = model.module.weight.grad.sum().item()
 print("RESULT " + json.dumps({
     "rank": rank, "size": size, "sum": t.item(), "grad": grad, "host": socket.gethostname(),
