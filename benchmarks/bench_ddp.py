@@ -35,7 +35,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 OUT_DIR = REPO / "bench-results"
 BIN = Path(sys.executable).parent
-WIDTH, DEPTH, BATCH = 1024, 4, 32  # MLP 256 -> 4 x 1024 -> 10: about 3.4 M parameters
+WIDTH, DEPTH = 1024, 4  # MLP 256 -> 4 x 1024 -> 10: about 3.4 M parameters
+BATCH = int(os.environ.get("BENCH_BATCH", "32"))  # per rank
 BUCKET_BYTES = int(float(os.environ.get("BENCH_BUCKET_MB", "4")) * 2**20)
 
 
