@@ -336,6 +336,7 @@ class _Bucket:
         self.pending = len(slots)
         self.done = threading.Event()
         self.event = None  # CUDA: marks the copies into ``flat`` on the producer's stream
+        self.error: BaseException | None = None  # raised by the worker, re-raised at synchronize
 
     def reset(self) -> None:
         self.pending = len(self.slots)
@@ -345,33 +346,40 @@ class _Bucket:
 
 
 class _Worker:
-    """The background thread that allreduces buckets in the order they are queued."""
+    """The background thread that allreduces buckets in the order they are queued.
 
-    def __init__(self, run):
-        self._run = run
+    One per process, shared by every DistributedOptimizer: a single queue keeps the
+    order of collectives the same on every rank even when two optimizers' buckets
+    are ready in the same backward pass (two threads would interleave them by chance).
+    """
+
+    def __init__(self):
         self._queue: queue.Queue = queue.Queue()
-        self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="dtrun-dp-allreduce", daemon=True)
         self._thread.start()
 
-    def submit(self, bucket: _Bucket) -> None:
-        self._queue.put(bucket)
+    def submit(self, run, bucket: _Bucket) -> None:
+        self._queue.put((run, bucket))
 
     def _loop(self) -> None:
         while True:
-            bucket = self._queue.get()
-            if bucket is None:
-                return
+            run, bucket = self._queue.get()
             try:
-                if self.error is None:
-                    self._run(bucket)
+                run(bucket)
             except BaseException as e:  # handed to the main thread at synchronize()
-                self.error = e
+                bucket.error = e
             finally:
                 bucket.done.set()
 
-    def stop(self) -> None:
-        self._queue.put(None)
+
+_WORKER: _Worker | None = None
+
+
+def _worker() -> _Worker:
+    global _WORKER
+    if _WORKER is None:
+        _WORKER = _Worker()
+    return _WORKER
 
 
 class _DistributedOptimizer:
@@ -425,7 +433,7 @@ class _DistributedOptimizer:
         from mpi4py import MPI
         threads_ok = MPI.Query_thread() >= MPI.THREAD_SERIALIZED
         self._dp_overlap = bool(overlap) and threads_ok and ctx.size > 1
-        self._dp_worker = _Worker(self._dp_reduce) if self._dp_overlap else None
+        self._dp_worker = _worker() if self._dp_overlap else None
         self._dp_hooks = [self._dp_register(s) for s in self._dp_slots] if ctx.size > 1 else []
 
     def _dp_make_buckets(self, cap: int) -> list[_Bucket]:
@@ -509,7 +517,7 @@ class _DistributedOptimizer:
                 b.event = torch.cuda.Event()
                 b.event.record()
             self._dp_in_flight.append(b)
-            self._dp_worker.submit(b)
+            self._dp_worker.submit(self._dp_reduce, b)
 
     # -- the allreduce of one bucket (background thread, or synchronize())
     def _dp_reduce(self, b: _Bucket) -> None:
@@ -563,18 +571,18 @@ class _DistributedOptimizer:
         else:
             for b in self._dp_in_flight:
                 b.done.wait()
+            errors = [b.error for b in self._dp_in_flight if b.error is not None]
             self._dp_in_flight.clear()
-            if self._dp_worker.error is not None:
-                err, self._dp_worker.error = self._dp_worker.error, None
+            if errors:
                 self._dp_reset()
-                raise err
+                raise errors[0]
         self._dp_reset()
         self._dp_synchronized = True
 
     def _dp_reset(self) -> None:
         for b in self._dp_buckets:
             b.reset()
-            b.event = None
+            b.event = b.error = None
         self._dp_next = 0
 
     @contextlib.contextmanager
@@ -602,13 +610,10 @@ class _DistributedOptimizer:
             else super(self.__class__, self).step()
 
     def remove_hooks(self) -> None:
-        """Detach from the model and stop the background thread."""
+        """Detach from the model: later backward passes are not averaged."""
         for h in self._dp_hooks:
             h.remove()
         self._dp_hooks = []
-        if self._dp_worker is not None:
-            self._dp_worker.stop()
-            self._dp_worker = None
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovod's name)

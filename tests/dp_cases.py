@@ -9,6 +9,8 @@ Modes:
                 grad None; the averaged gradient counts rank 1's zeros
   clip          synchronize(), clip, step() under skip_synchronize()
   api           broadcast_object, allreduce_metric, shard
+  two           two DistributedOptimizers whose buckets are ready in the same backward
+                pass; the average must equal a reference computed from all ranks' data
 """
 
 from __future__ import annotations
@@ -115,6 +117,33 @@ def main(mode: str) -> None:
                shard_again=parts[1], lr=st["param_groups"][0]["lr"],
                step=float(st["state"][0]["step"]) if st["state"] else None,
                is_adam=isinstance(dp.DistributedOptimizer(opt), torch.optim.Adam))
+        return
+    if mode == "two":
+        torch.manual_seed(0)
+        model = TwoBranch()
+        ref = TwoBranch()
+        ref.load_state_dict(model.state_dict())
+        first = [model.a.weight, model.a.bias]
+        rest = [p for n, p in model.named_parameters() if not n.startswith("a.")]
+        named = dict(model.named_parameters())
+        opts = [dp.DistributedOptimizer(torch.optim.SGD(ps, lr=0.1), bucket_bytes=64,
+                                        named_parameters=[(n, p) for n, p in named.items()
+                                                          if any(p is q for q in ps)])
+                for ps in (first, rest)]
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(r)) for r in range(ctx.size)]
+        for _ in range(3):
+            for o in opts:
+                o.zero_grad()
+            model(xs[ctx.rank], use_b=True).sum().backward()
+            for o in opts:
+                o.step()
+            ref_opt.zero_grad()  # the same step on every rank's data at once
+            (sum(ref(x, use_b=True).sum() for x in xs) / ctx.size).backward()
+            ref_opt.step()
+        diff = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
+        report(rank=ctx.rank, diff=diff,
+               checksum=float(sum(p.detach().double().sum() for p in model.parameters())))
         return
     raise SystemExit(f"unknown mode {mode!r}")
 

@@ -159,6 +159,14 @@ def test_parameter_without_gradient_on_one_rank_does_not_hang():
 
 
 @pytest.mark.mpi
+def test_two_optimizers_in_one_backward_pass():
+    res = results(launch(3, str(REPO / "tests" / "dp_cases.py"), "two", timeout=120))
+    assert [r["rank"] for r in res] == [0, 1, 2]
+    assert all(r["diff"] < 1e-6 for r in res), res
+    assert len({r["checksum"] for r in res}) == 1
+
+
+@pytest.mark.mpi
 def test_synchronize_then_clip_then_step():
     res = results(launch(2, str(REPO / "tests" / "dp_cases.py"), "clip", timeout=120))
     for r in res:
