@@ -49,6 +49,10 @@ class ParameterMismatchError(MismatchError):
     """The ranks built different parameter sets (names, shapes or dtypes)."""
 
 
+class UsageError(CollectiveError, ValueError):
+    """An argument of a collectives.dp function that cannot work (checked locally)."""
+
+
 class Compression:
     """How gradients travel: ``none`` (as they are) or ``fp16`` (float32/64 sent as
     float16, halving the bytes; restored to the parameter's dtype afterwards)."""
@@ -232,7 +236,7 @@ def shard(n_items: int, seed: int = 0, shuffle: bool = True, even: bool = True,
         rank = ctx.rank if rank is None else rank
         size = ctx.size if size is None else size
     if n_items < 0 or size < 1 or not 0 <= rank < size:
-        raise ValueError(f"shard: n_items={n_items}, rank={rank}, size={size} out of range")
+        raise UsageError("shard", rank, f"n_items={n_items}, rank={rank}, size={size} out of range")
     order = np.random.default_rng(seed).permutation(n_items) if shuffle else np.arange(n_items)
     if even and n_items and n_items % size:
         per_rank = -(-n_items // size)
@@ -382,6 +386,10 @@ def _worker() -> _Worker:
     return _WORKER
 
 
+def _usage(ctx: Context, problem: str) -> UsageError:
+    return UsageError("DistributedOptimizer", ctx.rank, problem)
+
+
 class _DistributedOptimizer:
     """Methods mixed into a copy of the user's optimizer (see DistributedOptimizer)."""
 
@@ -389,12 +397,12 @@ class _DistributedOptimizer:
                   bucket_bytes, overlap) -> None:
         ctx = _ctx("DistributedOptimizer")
         if op not in (AVG, SUM):
-            raise ValueError(f"DistributedOptimizer: op={op!r}; use 'avg' or 'sum'")
+            raise _usage(ctx, f"op={op!r}; use 'avg' or 'sum'")
         if compression not in (Compression.none, Compression.fp16):
-            raise ValueError(f"DistributedOptimizer: compression={compression!r}; use "
+            raise _usage(ctx, f"compression={compression!r}; use "
                              "Compression.none or Compression.fp16")
         if int(backward_passes_per_step) < 1:
-            raise ValueError("DistributedOptimizer: backward_passes_per_step must be >= 1")
+            raise _usage(ctx, "backward_passes_per_step must be >= 1")
         self._dp_ctx = ctx
         self._dp_op, self._dp_k = op, int(backward_passes_per_step)
         self._dp_compression = compression
@@ -404,16 +412,16 @@ class _DistributedOptimizer:
         else:
             named = list(named_parameters)
             if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
-                raise ValueError("DistributedOptimizer: named_parameters must be (name, "
+                raise _usage(ctx, "named_parameters must be (name, "
                                  "parameter) pairs, e.g. model.named_parameters()")
             names = [n for n, _ in named]
             dup = sorted({n for n in names if names.count(n) > 1})
             if dup:
-                raise ValueError(f"DistributedOptimizer: parameter names repeat: {dup[:5]}")
+                raise _usage(ctx, f"parameter names repeat: {dup[:5]}")
             known = {id(p) for _, p in named}
             missing = [i for i, p in enumerate(in_opt) if id(p) not in known]
             if missing:
-                raise ValueError(f"DistributedOptimizer: {len(missing)} parameters of the "
+                raise _usage(ctx, f"{len(missing)} parameters of the "
                                  "optimizer are not in named_parameters; pass "
                                  "model.named_parameters() of the model being trained")
             ids = {id(p) for p in in_opt}
@@ -422,7 +430,7 @@ class _DistributedOptimizer:
         _check_same(named, "DistributedOptimizer")
         for n, p in named:
             if p.is_sparse:
-                raise ValueError(f"DistributedOptimizer: parameter {n!r} is sparse; "
+                raise _usage(ctx, f"parameter {n!r} is sparse; "
                                  "sparse gradients are not supported")
         self._dp_slots = [_Slot(n, p) for n, p in named]
         self._dp_buckets = self._dp_make_buckets(int(bucket_bytes))

@@ -72,6 +72,30 @@ def test_calling_before_init_says_so():
     assert res["error"].startswith("broadcast_parameters on rank ?: called before init()")
 
 
+def test_bad_arguments_are_one_line_errors():
+    import collectives.dp as dp
+
+    ctx = dp.init()  # a singleton MPI job in this process
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cases = [
+        (dict(op="max"), "op='max'; use 'avg' or 'sum'"),
+        (dict(compression="int8"), "compression='int8'; use Compression.none or Compression.fp16"),
+        (dict(backward_passes_per_step=0), "backward_passes_per_step must be >= 1"),
+        (dict(named_parameters=[("weight", model.weight)]),
+         "1 parameters of the optimizer are not in named_parameters"),
+        (dict(named_parameters=[("w", model.weight), ("w", model.bias)]), "parameter names repeat: ['w']"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(dp.UsageError) as info:
+            dp.DistributedOptimizer(opt, **kwargs)
+        assert str(info.value).startswith(f"DistributedOptimizer on rank {ctx.rank}: {message}")
+    with pytest.raises(dp.UsageError, match="shard on rank 3: n_items=4, rank=3, size=2 out of range"):
+        dp.shard(4, rank=3, size=2)
+    wrapped = dp.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    assert isinstance(wrapped, torch.optim.SGD) and wrapped.param_groups is opt.param_groups
+
+
 # ----------------------------------------------------------------------------- equivalence
 def _train(n: int, tmp_path, *extra, env_vars=None) -> list[dict]:
     out = tmp_path / f"np{n}"
