@@ -104,6 +104,13 @@ def worker(args) -> None:
         nparams = sum(p.numel() for p in build_model().parameters())
         print("BENCH " + json.dumps({"size": ctx.size, "params": nparams, "rounds": rounds}),
               flush=True)
+    if "ddp" in modes:
+        import gc
+
+        runners.clear()  # the DDP model holds the process group
+        dist.barrier()
+        dist.destroy_process_group()
+        gc.collect()  # see tests/torchdist_env.py: gloo's teardown at interpreter exit
 
 
 # ----------------------------------------------------------------------------- the driver
