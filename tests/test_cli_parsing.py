@@ -134,13 +134,15 @@ def test_exclude_iface_adds_to_the_default_and_never_drops_lo():
 
 @pytest.mark.mpi
 def test_verbose_shows_the_decisions_then_runs():
-    p = dtrun("--verbose", "-np", "2", "-H", "localhost:2", "python", "-c", "print('ran')")
+    # MASTER_PORT is drawn free at each launch: fix it so the two command lines compare.
+    env = user_env(MASTER_PORT="29533")
+    p = dtrun("--verbose", "-np", "2", "-H", "localhost:2", "python", "-c", "print('ran')", env=env)
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("ran") == 2
     err = p.stderr.splitlines()
     assert err[0].startswith("dtrun: # Open MPI 5.") and "2 ranks on 1 host from -H" in err[0]
     assert any("# no core pinning" in line for line in err)
-    dry = dtrun("--dry-run", "-np", "2", "-H", "localhost:2", "python", "-c", "print('ran')")
+    dry = dtrun("--dry-run", "-np", "2", "-H", "localhost:2", "python", "-c", "print('ran')", env=env)
     # The real launch also hands the ranks its job directory (for dtrun stacks); a dry run makes none.
     assert [line[len("dtrun: "):] for line in err if line.startswith("dtrun: ") and "DTRUN_JOB_DIR=" not in line] \
         == dry.stdout.splitlines()
