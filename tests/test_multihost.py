@@ -100,9 +100,10 @@ def test_dry_run_prints_what_the_real_launch_runs(cluster3):
     """--dry-run goes through the preflight too, so its command is the one a launch runs
     (shown by --verbose at launch), and each interface flag names the preflight as its source."""
     hl = host_list(cluster3, [1, 1, 1])
-    dry = run_on(cluster3, "--dry-run", "-H", hl, "python", "-c", HELLO)
+    env = user_env(MASTER_PORT="29533")  # else drawn at each launch: fix it so the two compare
+    dry = run_on(cluster3, "--dry-run", "-H", hl, "python", "-c", HELLO, env=env)
     assert dry.returncode == 0, dry.stderr
-    real = run_on(cluster3, "--verbose", "-H", hl, "python", "-c", HELLO)
+    real = run_on(cluster3, "--verbose", "-H", hl, "python", "-c", HELLO, env=env)
     assert real.returncode == 0, real.stderr
     assert len(rank_lines(real.stdout)) == 3
     # The real launch also hands the ranks its job directory (for dtrun stacks); a dry run makes none.
