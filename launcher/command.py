@@ -108,7 +108,7 @@ def _env_list(spec: LaunchSpec) -> list[tuple[str, Optional[str], str]]:
         out.append(("MASTER_ADDR", spec.master_addr, "rank 0's host, for torch.distributed's env:// rendezvous"))
         out.append(("MASTER_PORT", str(spec.master_port), "a port chosen free at launch, the same on every rank"))
     if spec.pin_gpus:
-        out.append(("DTRUN_PIN_GPUS", "1", "--pin-gpus: each rank sees one GPU (local rank modulo the GPUs)"))
+        out.append(("DTRUN_GPU_PER_RANK", "1", "--pin-gpus: each rank sees one GPU (local rank modulo the GPUs)"))
     if spec.log_dir:
         out.append(("DTRUN_LOG_DIR", spec.log_dir, "--log-dir: this run's own directory (DIR/latest points to it); each rank writes rank.N.log there"))
     if spec.job_dir:

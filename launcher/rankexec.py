@@ -7,7 +7,7 @@
 * exports torchrun's RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE from the same
   values (dtrun sets MASTER_ADDR/MASTER_PORT at launch), so a script that calls
   ``init_process_group(init_method="env://")`` runs unchanged;
-* with DTRUN_PIN_GPUS=1 (``dtrun --pin-gpus``), sets CUDA_VISIBLE_DEVICES to one GPU:
+* with DTRUN_GPU_PER_RANK=1 (``dtrun --pin-gpus``), sets CUDA_VISIBLE_DEVICES to one GPU:
   the local rank modulo the GPUs visible (or present) on the host;
 * runs a Python program of the same environment as ``python -m mpi4py ...`` so an
   uncaught exception calls MPI_Abort and stops the whole job instead of leaving the
@@ -172,7 +172,7 @@ def main(argv=None):
     env = dict(os.environ)
     env.update(rank_env(env))
     env.update(torch_env(env))
-    if env.get("DTRUN_PIN_GPUS") == "1":
+    if env.get("DTRUN_GPU_PER_RANK") == "1":
         env["CUDA_VISIBLE_DEVICES"] = pinned_gpu(env, env["DTRUN_LOCAL_RANK"])
     rank = env["DTRUN_RANK"]
     host = socket.gethostname()

@@ -19,16 +19,15 @@ them once, at launch:
 from __future__ import annotations
 
 import random
-import re
 import socket
 from typing import Mapping, Optional, Sequence
 
-from launcher.errors import UsageError
+from launcher import safe
+from launcher.errors import InvalidValue, UsageError
 from launcher.hostfile import HostSlots
 
 LOOPBACK = "127.0.0.1"
 REMOTE_PORT_RANGE = (20000, 32767)
-_ADDR = re.compile(r"^[A-Za-z0-9_.:-]{1,253}$")
 
 
 def master_addr(hosts: Sequence[HostSlots], local_only: bool, is_local, this_host: str) -> str:
@@ -68,12 +67,15 @@ def choose(hosts: Sequence[HostSlots], local_only: bool, environ: Mapping[str, s
         return environ.get(name)
 
     addr = given("MASTER_ADDR") or master_addr(hosts, local_only, is_local, socket.gethostname())
-    if not _ADDR.match(addr):
-        raise UsageError(f"MASTER_ADDR {addr!r} is not a host name or address")
+    try:
+        safe.host_name(addr)
+    except InvalidValue as e:
+        raise UsageError(f"MASTER_ADDR {addr!r} is not a host name or address ({e})") from None
     raw_port = given("MASTER_PORT")
     if raw_port:
-        if not raw_port.isdigit() or not 1 <= int(raw_port) <= 65535:
-            raise UsageError(f"MASTER_PORT {raw_port!r} is not a port number (1-65535)")
-        return addr, int(raw_port)
+        try:
+            return addr, safe.port(raw_port)
+        except InvalidValue:
+            raise UsageError(f"MASTER_PORT {raw_port!r} is not a port number (1-65535)") from None
     rank0_here = local_only or not hosts or is_local(hosts[0].host)
     return addr, free_port() if rank0_here else remote_port()

@@ -72,7 +72,7 @@ def test_dry_run_shows_rendezvous_and_pinning():
     p = dtrun("--dry-run", "-np", "2", "-H", "localhost:2", "--pin-gpus", "-x", "MASTER_PORT=29400", "python", "t.py")
     assert p.returncode == 0, p.stderr
     assert "-x MASTER_ADDR=127.0.0.1" in p.stdout and "-x MASTER_PORT=29400" in p.stdout
-    assert "-x DTRUN_PIN_GPUS=1" in p.stdout
+    assert "-x DTRUN_GPU_PER_RANK=1" in p.stdout
     p = dtrun("--dry-run", "-np", "2", "-H", "localhost:2", "-x", "MASTER_PORT=http", "python", "t.py")
     assert p.returncode == 2 and "MASTER_PORT 'http' is not a port number" in p.stderr
 
