@@ -76,13 +76,12 @@ def read_cache(key: str, now: Optional[float] = None) -> Optional[PreflightResul
 
 
 def write_cache(key: str, result: PreflightResult) -> None:
+    from launcher.paths import atomic_write
+
     path = _cache_dir() / f"{key}.json"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"time": time.time(), "include": result.include, "nccl": result.nccl,
-                                   "host_ifaces": result.host_ifaces}))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps({"time": time.time(), "include": result.include, "nccl": result.nccl,
+                                       "host_ifaces": result.host_ifaces}))
     except OSError:
         pass  # a read-only cache costs the next launch another preflight
 

@@ -30,6 +30,8 @@ import json
 import sys
 from typing import Any, Callable
 
+from .sizes import parse_bytes
+
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "reduce")
 DTYPE_NAMES = {"float": "float32", "float32": "float32", "double": "float64",
                "float64": "float64", "half": "float16", "float16": "float16",
@@ -43,16 +45,6 @@ BUSBW_FACTOR = {
 }
 
 
-def parse_size(text: str) -> int:
-    """'8', '1K', '64M', '1G' -> bytes (binary units, as nccl-tests)."""
-    t = text.strip().upper().rstrip("B")
-    mult = 1
-    if t and t[-1] in "KMG":
-        mult = 1 << (10 * ("KMG".index(t[-1]) + 1))
-        t = t[:-1]
-    return int(float(t) * mult)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's options (``dtrun bench --help`` shows them, and routes them here)."""
     p = argparse.ArgumentParser(
@@ -60,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time collectives over a range of sizes and print size, time, algbw and busbw "
                     "(GB/s) per size, as nccl-tests does, with a check of the results (#wrong). "
                     "Sizes go from -b to -e, multiplied by -f each step.")
-    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"), help="smallest size (8, 1K, 64M, 1G; default 8)")
-    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"), help="largest size (default 64M)")
+    p.add_argument("-b", "--minbytes", type=parse_bytes, default=parse_bytes("8"), help="smallest size (8, 1K, 64M, 1G; default 8)")
+    p.add_argument("-e", "--maxbytes", type=parse_bytes, default=parse_bytes("64M"), help="largest size (default 64M)")
     p.add_argument("-f", "--stepfactor", type=int, default=2, help="multiply the size by this each step (default 2)")
     p.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed iterations per size (default 5)")
     p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default 20)")

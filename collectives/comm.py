@@ -20,7 +20,6 @@ What is checked, and when:
 from __future__ import annotations
 
 import os
-import re
 import socket
 from typing import Any, Sequence
 
@@ -34,6 +33,7 @@ from .errors import (CollectiveError, MismatchError, MPIError, NotContiguousErro
 from . import recorder as _rec
 from .handle import Handle
 from .shm import SINGLE_STEP_MAX, ShmReducer
+from .sizes import env_bytes
 
 if _OSC_SET and MPI.Is_initialized() and os.environ.get("OMPI_MCA_osc") == "^ucx":
     os.environ.pop("OMPI_MCA_osc")  # read at MPI_Init; see collectives/__init__.py
@@ -55,18 +55,6 @@ _REC_MASK = _rec.MASK
 _REC_COUNT_MAX = (1 << _rec.COUNT_BITS) - 1
 # The process's first Comm over MPI.COMM_WORLD owns the flight recorder.
 _REC_TAKEN = [False]
-
-
-def _env_bytes(name: str, default: int) -> int:
-    """Read a byte count from the environment: 4096, 64K, 64M, 1G, 4KiB, 2MB (binary)."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kKmMgG]?)(?:i?[bB])?", raw)
-    if m is None:
-        raise ValueError(f"{name}={raw!r} is not a byte count (e.g. 64M)")
-    unit = m.group(2).upper()
-    return int(float(m.group(1)) * (1 << (10 * ("KMG".index(unit) + 1)) if unit else 1))
 
 
 def _env_flag(name: str) -> bool:
@@ -121,17 +109,17 @@ class Comm:
         self._uniform_nodes = len(set(int(v) for v in table[:, 1])) == 1
 
         self.check = _env_flag("DTRUN_CHECK") if check is None else bool(check)
-        self.fusion_threshold = _env_bytes("DTRUN_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)
+        self.fusion_threshold = env_bytes("DTRUN_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)
         use_shm = (os.environ.get("DTRUN_SHM", "1").strip() != "0") if shm is None else shm
         self._shm: ShmReducer | None = None
-        self._shm_threshold = (_env_bytes("DTRUN_SHM_THRESHOLD", DEFAULT_SHM_THRESHOLD)
+        self._shm_threshold = (env_bytes("DTRUN_SHM_THRESHOLD", DEFAULT_SHM_THRESHOLD)
                                if shm_threshold is None else int(shm_threshold))
         self._cross_comm: MPI.Intracomm | None = None
         if use_shm and self.local_size > 1 and (self.nnodes == 1 or self._uniform_nodes):
             if self.nnodes > 1:
                 # Ranks with the same local rank on every host: the inter-node step.
                 self._cross_comm = comm.Split(self.local_rank, self.node)
-            chunk = _env_bytes("DTRUN_SHM_CHUNK", DEFAULT_SHM_CHUNK) if shm_chunk is None \
+            chunk = env_bytes("DTRUN_SHM_CHUNK", DEFAULT_SHM_CHUNK) if shm_chunk is None \
                 else int(shm_chunk)
             self._shm = ShmReducer(node_comm, self._cross_comm, chunk)
         self._opcache: dict[tuple[np.dtype, str], tuple] = {}

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from launcher.errors import MpiFlavorError, MpiNotFoundError
-from launcher.paths import cache_dir
+from launcher.paths import atomic_write, cache_dir
 
 OPENMPI = "openmpi"
 MPICH = "mpich"
@@ -161,10 +161,7 @@ def detect_flavor(mpirun: str, use_cache: bool = True, write_cache: bool = True)
     if use_cache and write_cache:
         entries[key] = {"kind": kind, "version": list(version)}
         try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(entries))
-            os.replace(tmp, cache)
+            atomic_write(cache, json.dumps(entries))
         except OSError:
             pass  # a read-only home only costs the next run a --version call
     return Flavor(kind, version, mpirun, _prefix_of(mpirun))

@@ -22,7 +22,7 @@ from typing import Optional
 
 from launcher import safe
 from launcher.errors import InvalidValue, LaunchError
-from launcher.paths import cache_dir
+from launcher.paths import atomic_write, cache_dir
 
 
 @dataclass(frozen=True)
@@ -37,12 +37,7 @@ class GeneratedFile:
         path = Path(self.path)
         private_dir(path.parent)
         if not path.exists() or path.read_text() != self.text:
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
-                         0o700 if self.executable else 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(self.text)
-            os.replace(tmp, path)
+            atomic_write(path, self.text, 0o700 if self.executable else 0o600)
         return self.path
 
 

@@ -134,13 +134,13 @@ def test_error_message_names_op_rank_and_problem(comm1):
 
 
 def test_env_byte_sizes(monkeypatch):
-    from collectives.comm import _env_bytes
+    from collectives.sizes import env_bytes
     for raw, want in [("64M", 64 << 20), ("4KiB", 4096), ("1g", 1 << 30), ("123", 123)]:
         monkeypatch.setenv("X_BYTES", raw)
-        assert _env_bytes("X_BYTES", 0) == want
+        assert env_bytes("X_BYTES", 0) == want
     monkeypatch.setenv("X_BYTES", "lots")
     with pytest.raises(ValueError, match="X_BYTES='lots' is not a byte count"):
-        _env_bytes("X_BYTES", 0)
+        env_bytes("X_BYTES", 0)
 
 
 def test_bfloat16_rounding_matches_torch_convention():
@@ -278,8 +278,12 @@ def test_bench_grouped():
 
 def test_bench_size_parsing_and_usage():
     from collectives import bench
-    assert [bench.parse_size(s) for s in ("8", "1K", "64M", "1G", "2KB")] == \
-        [8, 1024, 64 << 20, 1 << 30, 2048]
+    from collectives.sizes import parse_bytes
+    assert [parse_bytes(s) for s in ("8", "1K", "64M", "1G", "2KB", "1k")] == \
+        [8, 1024, 64 << 20, 1 << 30, 2048, 1024]
+    with pytest.raises(ValueError, match="'lots' is not a byte count"):
+        parse_bytes("lots")
+    assert bench.parse_args(["-b", "2KiB"]).minbytes == 2048
     assert bench.main(["-o", "nonsense"]) == 2
     args = bench.parse_args(["-b", "8", "-e", "64", "-f", "2"])
     assert bench.sizes(args) == [8, 16, 32, 64]
