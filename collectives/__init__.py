@@ -7,25 +7,15 @@
     h = comm.iallreduce(x); ...; h.wait()
     comm.grouped_allreduce(grads)        # fused, in place
 
-Importing this package does not initialise MPI; the first attribute that needs
-mpi4py (``Comm``, ``init``, ``world``, ...) does. Exceptions are importable without MPI.
+Importing this package neither initialises MPI nor changes ``os.environ``; the first
+attribute that needs mpi4py (``Comm``, ``init``, ``world``, ...) initialises MPI.
+During that MPI_Init only, ``OMPI_MCA_osc=^ucx`` is set (unless you set
+``OMPI_MCA_osc`` yourself), to silence Open MPI 5's "OSC UCX component priority" error
+on hosts without UCX; it is removed once MPI is up (see ``collectives._mpi``).
+Exceptions are importable without MPI.
 """
 
 from __future__ import annotations
-
-import os as _os
-import sys as _sys
-
-_OSC_SET = False
-if "mpi4py.MPI" not in _sys.modules and "OMPI_MCA_osc" not in _os.environ:
-    # Open MPI 5 prints "OSC UCX component priority set inside component query failed"
-    # on hosts without UCX devices when the first window (our shared-memory one) is
-    # created. Shared-memory windows are served by osc/sm anyway. It must be set before
-    # MPI_Init (mpi4py's import), which is why it is here; a user's setting wins.
-    # collectives.comm removes it again once MPI is up, so child processes (another
-    # mpirun started by this program) do not inherit it.
-    _os.environ["OMPI_MCA_osc"] = "^ucx"
-    _OSC_SET = True
 
 from .errors import (CollectiveError, DeviceError, MismatchError, MPIError,
                      NotContiguousError, ShapeError, UnsupportedDtypeError)

@@ -96,7 +96,7 @@ class Timer:
 
     def __init__(self, comm) -> None:
         import numpy as np
-        from mpi4py import MPI
+        from ._mpi import MPI
         self.mpi, self.MPI, self.np = comm.mpi, MPI, np
         self._buf = np.zeros(1, dtype=np.float64)
 
@@ -121,7 +121,7 @@ def build(comm, op: str, nbytes: int, dname: str, redop: str, root: int) -> dict
     """Buffers and callables for one (op, size): ours and raw, out-of-place and in-place,
     plus a checker returning the number of wrong elements on this rank."""
     import numpy as np
-    from mpi4py import MPI
+    from ._mpi import MPI
 
     from . import dtypes as dt
     dtype = dt.BFLOAT16 if dname == "bfloat16" else np.dtype(dname)
@@ -248,7 +248,7 @@ def _wrong(got, expected) -> int:
 
 def run_collective(comm, args, op: str, timer: Timer) -> list[dict]:
     import numpy as np
-    from mpi4py import MPI
+    from ._mpi import MPI
     dname = DTYPE_NAMES[args.datatype]
     rows = []
     n = comm.size

@@ -24,19 +24,15 @@ import socket
 from typing import Any, Sequence
 
 import numpy as np
-from mpi4py import MPI
 
-from . import _OSC_SET
 from . import dtypes as _dt
+from ._mpi import MPI
 from .errors import (CollectiveError, MismatchError, MPIError, NotContiguousError,
                      ShapeError, UnsupportedDtypeError)
 from . import recorder as _rec
 from .handle import Handle
 from .shm import SINGLE_STEP_MAX, ShmReducer
 from .sizes import env_bytes
-
-if _OSC_SET and MPI.Is_initialized() and os.environ.get("OMPI_MCA_osc") == "^ucx":
-    os.environ.pop("OMPI_MCA_osc")  # read at MPI_Init; see collectives/__init__.py
 
 SUM, PROD, MIN, MAX, AVG = _dt.SUM, _dt.PROD, _dt.MIN, _dt.MAX, _dt.AVG
 IN_PLACE = MPI.IN_PLACE

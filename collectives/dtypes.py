@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
-from mpi4py import MPI
+from ._mpi import MPI
 
 SUM = "sum"
 PROD = "prod"

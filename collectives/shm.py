@@ -27,7 +27,7 @@ a slot that another rank still reads for chunk i: two barriers per chunk suffice
 from __future__ import annotations
 
 import numpy as np
-from mpi4py import MPI
+from ._mpi import MPI
 
 _ALIGN = 64  # bytes: slice boundaries on cache lines, so ranks never share a line
 SINGLE_STEP_MAX = 4 << 20  # largest fused buffer reduced in one step (allreduce_packed)

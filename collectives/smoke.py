@@ -113,7 +113,7 @@ class Watchdog(threading.Thread):
                       "stalls — check that all ranks run the same program", flush=True)
                 sys.stderr.flush()
                 try:
-                    from mpi4py import MPI
+                    from ._mpi import MPI
                     MPI.COMM_WORLD.Abort(int(SmokeExit.HANG))
                 finally:
                     os._exit(int(SmokeExit.HANG))

@@ -22,18 +22,10 @@ TOOLS = {"smoke": "collectives.smoke", "bench": "collectives.bench"}
 
 
 def tool_parser(tool: str):
-    """The tool's argparse parser, imported without leaving a trace in this process's environment.
-
-    Importing the ``collectives`` package sets OMPI_MCA_osc for the ranks' own MPI_Init;
-    mpirun started from here must not inherit it.
-    """
+    """The tool's module, which builds its argparse parser (importing it leaves os.environ alone)."""
     import importlib
 
-    before = os.environ.get("OMPI_MCA_osc")
-    module = importlib.import_module(TOOLS[tool])
-    if before is None:
-        os.environ.pop("OMPI_MCA_osc", None)
-    return module
+    return importlib.import_module(TOOLS[tool])
 
 
 def parser_table(parser) -> dict[str, int]:

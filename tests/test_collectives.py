@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -301,3 +302,26 @@ def test_example(example, n):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "WRONG" not in proc.stdout
     assert proc.stdout.strip()
+
+
+@pytest.mark.parametrize("preset", [None, "^ucx,pt2pt"])
+def test_import_and_init_leave_environment_alone(preset):
+    """Neither importing collectives nor its MPI_Init leaves a change in os.environ."""
+    code = (
+        "import json, os\n"
+        "before = dict(os.environ)\n"
+        "import collectives\n"
+        "after_import = dict(os.environ)\n"
+        "comm = collectives.init()\n"
+        "from mpi4py import MPI\n"
+        "print(json.dumps([before == after_import, before == dict(os.environ),\n"
+        "                  os.environ.get('OMPI_MCA_osc'), comm.size]))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    if preset is not None:
+        env["OMPI_MCA_osc"] = preset
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    same_after_import, same_after_init, osc, size = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert same_after_import and same_after_init and size == 1
+    assert osc == preset  # the user's own setting is kept as it was

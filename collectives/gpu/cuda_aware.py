@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpi4py import MPI
+from .._mpi import MPI
 
 from ..handle import Handle
 from .context import GpuContext

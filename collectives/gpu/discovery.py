@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-from mpi4py import MPI
+from .._mpi import MPI
 
 from ..env import env_local_rank
 from ..errors import DeviceError
