@@ -24,6 +24,22 @@ def dtrun(*args, timeout=120, env=None, cwd=REPO, **kw):
                           env=env or user_env(), cwd=cwd, stdin=subprocess.DEVNULL, **kw)
 
 
+def one_line_error(proc, *needles):
+    """Assert that dtrun refused its input as users must see it: exit 2, and on stderr
+    exactly one line, ``dtrun: error: ...``, holding every needle (no traceback).
+
+    Returns:
+        That line.
+    """
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith("\n") and proc.stderr.count("\n") == 1, proc.stderr
+    line = proc.stderr.rstrip("\n")
+    assert line.startswith("dtrun: error: "), line
+    for n in needles:
+        assert n in line, (n, line)
+    return line
+
+
 def interrupt_when_up(argv, ups, check_running=None, timeout_up=60, timeout_exit=30):
     """Start dtrun, wait for ``ups`` ranks to print 'up', send SIGINT, return its exit code.
 

@@ -7,18 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from launcher.cli import run_app, split_launch_argv, sub_app
-from tests.dtrun_helpers import DTRUN, REPO, dtrun
-
-
-def one_line_error(proc, *needles):
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("dtrun: error: ")
-    assert "Traceback" not in proc.stderr
-    for n in needles:
-        assert n in lines[0]
-    return lines[0]
+from tests.dtrun_helpers import DTRUN, REPO, dtrun, one_line_error
 
 
 def test_bad_host_list(tmp_path):

@@ -10,8 +10,7 @@ import subprocess
 
 import pytest
 
-from tests.dtrun_helpers import BIN, REPO, dtrun, user_env
-from tests.test_cli import one_line_error
+from tests.dtrun_helpers import BIN, REPO, dtrun, one_line_error, user_env
 
 
 def test_unknown_option_is_an_error_with_a_suggestion_and_nothing_starts(tmp_path):

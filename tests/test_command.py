@@ -1,4 +1,5 @@
 """Golden mpirun command lines per flavor, redaction, and the exit-code mapping (values only)."""
+import os
 import shlex
 import signal
 import sys
@@ -216,11 +217,38 @@ def test_shared_subnet_is_the_local_network_holding_every_host():
     assert shared_subnet([], nets) is None
 
 
-def test_local_networks_lists_this_hosts_up_interfaces():
-    from launcher.netinfo import local_networks
-    nets = local_networks()
-    assert all(not n.network_address.is_loopback for _, n in nets)
-    assert all(isinstance(name, str) and name for name, _ in nets)
+@pytest.mark.cluster
+def test_local_networks_lists_exactly_the_up_non_loopback_networks():
+    """In a fresh network namespace with a known set of interfaces (real ones, made with
+    ``ip``): one up veth with an address, one down veth with an address, and lo."""
+    import secrets
+    import shutil
+    import subprocess
+
+    from tests.dtrun_helpers import PYTHON, REPO
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to make a network namespace")
+    ns = f"dtrun-nets-{secrets.token_hex(3)}"
+
+    def ip(*args):
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+    ip("netns", "add", ns)
+    try:
+        ip("-n", ns, "link", "add", "up0", "type", "veth", "peer", "name", "up1")
+        ip("-n", ns, "link", "add", "dn0", "type", "veth", "peer", "name", "dn1")
+        ip("-n", ns, "addr", "add", "10.77.1.2/24", "dev", "up0")
+        ip("-n", ns, "addr", "add", "10.78.0.2/16", "dev", "dn0")
+        for dev in ("lo", "up0", "up1"):
+            ip("-n", ns, "link", "set", dev, "up")
+        out = subprocess.run(
+            ["ip", "netns", "exec", ns, PYTHON, "-c",
+             "from launcher.netinfo import local_networks; print(sorted((n, str(c)) for n, c in local_networks()))"],
+            capture_output=True, text=True, timeout=30, cwd=REPO)
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[('up0', '10.77.1.0/24')]"
 
 
 def test_exclude_iface_adds_to_the_default_never_replaces_it():

@@ -1,10 +1,11 @@
 """dtrun doctor and keyscan as users call them: options, usage errors, a run on this host alone."""
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from launcher.cli import sub_app
-from tests.dtrun_helpers import dtrun
+from tests.dtrun_helpers import dtrun, one_line_error
 
 
 def test_doctor_and_keyscan_help():
@@ -15,11 +16,6 @@ def test_doctor_and_keyscan_help():
         assert opt in r.output, opt
     r = CliRunner().invoke(sub_app, ["keyscan", "--help"])
     assert r.exit_code == 0 and "--yes" in r.output and "--ssh-config" in r.output
-
-
-def one_line_error(p, needle):
-    assert p.returncode == 2, p.stderr
-    assert p.stderr.count("\n") == 1 and p.stderr.startswith("dtrun: error: ") and needle in p.stderr
 
 
 def test_doctor_usage_errors_exit_2():
@@ -36,7 +32,9 @@ def test_keyscan_usage_errors_exit_2():
     one_line_error(dtrun("keyscan", "-H", "a", "b"), "not both")
 
 
+@pytest.mark.mpi
 def test_doctor_on_this_host_alone(tmp_path):
+    """Its end-to-end phase starts a real mpirun job (the ``mpi`` mark)."""
     prog = tmp_path / "train.py"
     prog.write_text("print(1)\n")
     p = dtrun("doctor", "-H", "localhost:2", "--json", "--program", prog, timeout=60)
