@@ -4,7 +4,7 @@ Pure: ``parse_ip_json`` / ``parse_sysfs`` turn what the probe found into
 ``Interface`` values, and ``recommend`` finds the subnet that every host (and the
 launching host, where mpirun runs) has an address on, that is not a virtual bridge
 and whose addresses are all different — docker0 carries 172.17.0.1 on every host
-and hangs Open MPI's TCP transport (shared/CLUSTER-TESTING.md). Naming the subnet
+and hangs Open MPI's TCP transport (docs/cluster-testing.md). Naming the subnet
 to include is more reliable with Open MPI 5 than naming what to exclude.
 """
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Open MPI binds its TCP transport and its runtime wiring to interfaces; naming the
 one subnet all hosts share (include) is more reliable than listing what to avoid
 (exclude): on hosts that all carry docker0, Open MPI 5's runtime crashed
-intermittently with an exclude list and never with the shared subnet included. Interface names can differ between
-hosts, so the subnet is passed in CIDR form, which Open MPI's *_if_include accept.
+intermittently with an exclude list and never with the shared subnet included (see
+docs/cluster-testing.md). Interface names can differ between hosts, so the subnet is
+passed in CIDR form, which Open MPI's *_if_include accept.
 """
 from __future__ import annotations
 

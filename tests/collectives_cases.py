@@ -1,4 +1,4 @@
-"""Collective test cases, written once and run at any size (STYLE.md point 11).
+"""Collective test cases, written once and run at any size: one rank under plain pytest, several under mpirun.
 
 Each ``case_*`` function takes a ``collectives.Comm`` and raises on failure (or
 ``Skip``). ``tests/test_collectives.py`` runs them in the pytest process on a
