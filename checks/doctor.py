@@ -15,14 +15,13 @@ import dataclasses
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
 from checks import env, firewall, gpu, network
 from checks import e2e as e2e_check
 from checks.errors import CheckError
-from checks.result import CHECKS, FAIL, NA, OK, SYMBOL, WARN, Finding, from_error, worst
+from checks.result import CHECKS, FAIL, NA, OK, SYMBOL, WARN, Finding, worst
 from launcher.errors import ExitCode, UsageError
 
 MAX_WORKERS = 32
@@ -48,7 +47,7 @@ class DoctorSpec:
 
 @dataclass
 class HostRun:
-    """One host's state while doctor runs (filled in by that host's worker)."""
+    """One host's state while doctor runs (its connection, probe and report, set by its worker)."""
 
     name: str
     slots: int
@@ -57,9 +56,27 @@ class HostRun:
     conn: object = None
     probe: object = None
     report: Optional[dict] = None
-    findings: list = field(default_factory=list)
     times: dict = field(default_factory=dict)
     step: str = "waiting"
+
+
+@dataclass(frozen=True)
+class _Hosts:
+    """The job's hosts, plus this host as a helper when it is not one of them (mpirun runs here)."""
+
+    runs: list
+    helper: Optional[HostRun]
+
+    @property
+    def everyone(self) -> list:
+        return self.runs + ([self.helper] if self.helper else [])
+
+    @property
+    def launcher_in_list(self) -> bool:
+        return self.helper is None
+
+    def order(self) -> dict:
+        return {r.name: i for i, r in enumerate(self.everyone)}
 
 
 @dataclass
@@ -167,128 +184,130 @@ def diagnose(spec: DoctorSpec, selection, live: bool = False) -> DoctorReport:
 
 def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport:
     from checks import ssh
+
+    t_start = time.monotonic()
+    flavor, cfg_path, hosts, request = _prepare(spec, selection)
+    job_cfg = lambda: _job_ssh_config(selection, cfg_path)  # noqa: E731  (written only if needed)
+    progress.show(hosts.runs)
+    try:
+        answers = ssh.fan_out(hosts.everyone, lambda r: _connect_and_probe(spec, r, request), MAX_WORKERS)
+        t_a = time.monotonic()
+        findings = [f for found in answers.ok.values() for f in found]
+        by_name = {r.name: r for r in hosts.everyone}  # no connection yet: ssh failed; else the probe did
+        findings += answers.findings(lambda name: "env" if by_name[name].conn or by_name[name].local else "ssh")
+        found, rec, ifaces, launcher_ifs, parsed = _analyse(spec, flavor, hosts)
+        findings += found
+        fw_pairs = {}
+        if rec is not None:
+            found, fw_pairs = _pairs_phase(spec, hosts, rec, ifaces, launcher_ifs, job_cfg)
+            findings += found
+    finally:
+        for r in hosts.everyone:
+            if r.probe:
+                r.probe.close()
+            if r.conn:
+                r.conn.close()
+    t_pairs = time.monotonic()
+    findings += _not_checked(hosts.runs, findings, rec)
+    found, e2e_summary = _end_to_end(spec, hosts.runs, findings, flavor, rec, job_cfg)
+    findings += found
+    order = hosts.order()
+    findings.sort(key=lambda f: (order.get(f.host, len(order)), CHECKS.index(f.check) if f.check in CHECKS else 99))
+    timings = {
+        "total": round(time.monotonic() - t_start, 3),
+        "connect_and_probe": round(t_a - t_start, 3),
+        "pairs": round(t_pairs - t_a, 3),
+        "per_host": {r.name: {k: round(v, 3) for k, v in r.times.items()} for r in hosts.everyone},
+    }
+    helper = hosts.helper
+    helper_found = helper is not None and any(f.host == helper.name for f in findings)
+    names = [r.name for r in hosts.runs] + ([helper.name] if helper_found else [])
+    interfaces = {h: [dataclasses.asdict(i) for i in ifs] for h, ifs in parsed.items()}
+    return DoctorReport(names, findings, rec.to_dict(flavor) if rec else None, timings, e2e_summary, fw_pairs,
+                        interfaces)
+
+
+def _prepare(spec: DoctorSpec, selection):
+    """The MPI flavor, the ssh config, the hosts (local probes already started) and the probe request."""
+    from checks import ssh
     from checks.probe import start_probe
     from launcher.flavors import detect_flavor, find_mpirun
     from launcher.hosts import is_local
     from launcher.sshconf import job_ssh_files
 
-    t_start = time.monotonic()
     flavor = detect_flavor(find_mpirun())
     cfg_path = ssh.ssh_config_path(spec.ssh_config, selection.ssh_config)
     job_ssh_files(selection, cfg_path, openmpi=True)  # the config the job would get must be expressible: check now
     runs = [HostRun(h.host, h.slots, is_local(h.host)) for h in selection.hosts]
-    launcher_in_list = any(r.local for r in runs)
-    helper = None if launcher_in_list else HostRun(network.LAUNCHER, 0, True)
-    everyone = runs + ([helper] if helper else [])
-    probe_timeout = max(3 * spec.timeout, 10.0)
+    hosts = _Hosts(runs, None if any(r.local for r in runs) else HostRun(network.LAUNCHER, 0, True))
     # The probes only need paths; the local facts are completed from the local probe's answer.
     request = dict(env.local_facts(flavor, None, spec.program).probe_request(), listen=True, gpu=True)
-    for r in everyone:
+    for r in hosts.everyone:
         if r.local:  # starts now, so that it runs while paramiko is imported and the hosts connect
             # Only this host's interfaces and listener are needed when it is not one of the job's hosts.
-            own = dict(request, versions=False) if r is not helper else dict(request, versions=False, gpu=False,
-                                                                             mpi_load=False)
+            own = dict(request, versions=False) if r is not hosts.helper else dict(request, versions=False, gpu=False,
+                                                                                   mpi_load=False)
             r.probe = start_probe(r.name, None, own, spec.timeout)
     if not all(r.local for r in runs):
         config = ssh.load_ssh_config(cfg_path)
         for r, h in zip(runs, selection.hosts):
             if not r.local:
                 r.target = ssh.ssh_target(h, config, cfg_path)
-    progress.show(runs)
+    return flavor, cfg_path, hosts, request
 
-    def phase_a(r: HostRun):
-        t0 = time.monotonic()
-        try:
-            if not r.local:
-                r.step = "ssh: connecting"
-                r.conn = ssh.connect(r.target, spec.timeout)
-                r.times["ssh"] = r.conn.timings["total"]
-                r.findings.append(Finding(r.name, "ssh", OK,
-                                          f"{r.target.user}@{r.target.where} with {os.path.basename(r.conn.key_label)} "
-                                          f"in {r.conn.timings['total']:.2f} s; host key {r.conn.host_key} known"))
-                r.step = "probe: running"
-                r.probe = start_probe(r.name, r.conn, request, spec.timeout)
-            else:
-                r.findings.append(Finding(r.name, "ssh", NA, "this host: no SSH needed"))
-            t1 = time.monotonic()
-            r.report = r.probe.read(probe_timeout, "probe")
-            r.times["probe"] = time.monotonic() - t1
-            r.step = "probe: done"
-        except CheckError as exc:
-            check = "ssh" if r.conn is None and not r.local else "env"
-            r.findings.append(from_error(check, exc))
-            r.step = f"✗ {exc.detail[:60]}"
+
+def _connect_and_probe(spec: DoctorSpec, r: HostRun, request: dict) -> list[Finding]:
+    """First round, one host: ssh (unless local), start the probe, read its report.
+
+    Raises:
+        CheckError: the host cannot be reached or its probe did not answer.
+    """
+    from checks import ssh
+    from checks.probe import start_probe
+
+    t0 = time.monotonic()
+    try:
+        if r.local:
+            found = [Finding(r.name, "ssh", NA, "this host: no SSH needed")]
+        else:
+            r.step = "ssh: connecting"
+            r.conn = ssh.connect(r.target, spec.timeout)
+            r.times["ssh"] = r.conn.timings["total"]
+            found = [Finding(r.name, "ssh", OK, f"{r.target.user}@{r.target.where} with "
+                             f"{os.path.basename(r.conn.key_label)} in {r.conn.timings['total']:.2f} s; "
+                             f"host key {r.conn.host_key} known")]
+            r.step = "probe: running"
+            r.probe = start_probe(r.name, r.conn, request, spec.timeout)
+        t1 = time.monotonic()
+        r.report = r.probe.read(max(3 * spec.timeout, 10.0), "probe")
+        r.times["probe"] = time.monotonic() - t1
+        r.step = "probe: done"
+        return found
+    except CheckError as exc:
+        r.step = f"✗ {exc.detail[:60]}"
+        raise
+    finally:
         r.times["phase_a"] = time.monotonic() - t0
 
-    try:
-        workers = max(1, min(MAX_WORKERS, len(everyone)))
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(phase_a, everyone))
-        t_a = time.monotonic()
-        findings, rec, fw_pairs, parsed = _analyse(spec, selection, flavor, runs, helper, cfg_path,
-                                                   launcher_in_list)
-    finally:
-        for r in everyone:
-            if r.probe:
-                r.probe.close()
-            if r.conn:
-                r.conn.close()
-    t_pairs = time.monotonic()
-    for r in everyone:
-        findings += r.findings
-    # --- checks that could not run on a host ---
-    for r in runs:
-        for check in ("env", "network", "firewall", "gpu"):
-            if not any(f.host == r.name and f.check == check for f in findings):
-                why = ("no connection to the host" if not r.report else
-                       "no subnet shared by all hosts" if rec is None else "no other host to connect to")
-                findings.append(Finding(r.name, check, NA, f"not checked: {why}"))
-    # --- end to end ---
-    e2e_summary = None
-    if not spec.e2e:
-        findings += [Finding(r.name, "e2e", NA, "skipped (--no-e2e)") for r in runs]
-    elif any(f.status == FAIL for f in findings):
-        findings += [Finding(r.name, "e2e", NA, "skipped: fix the failures above first") for r in runs]
-    else:
-        for r in runs:
-            r.step = "end to end: running a job through dtrun"
-        names = {r.report.get("hostname"): r.name for r in runs if r.report and r.report.get("hostname")}
-        cfg_for_job = _job_ssh_config(selection, cfg_path)
-        flags = rec.flags(flavor)["dtrun"] if rec else ""
-        f2, e2e_summary = e2e_check.end_to_end([r.name for r in runs], cfg_for_job, rec.cidr if rec else None, names,
-                                         spec.e2e_timeout or e2e_check.E2E_TIMEOUT_S, flags_text=flags)
-        findings += f2
-    order = {n: i for i, n in enumerate([r.name for r in everyone])}
-    findings.sort(key=lambda f: (order.get(f.host, len(order)), CHECKS.index(f.check) if f.check in CHECKS else 99))
-    timings = {
-        "total": round(time.monotonic() - t_start, 3),
-        "connect_and_probe": round(t_a - t_start, 3),
-        "pairs": round(t_pairs - t_a, 3),
-        "per_host": {r.name: {k: round(v, 3) for k, v in r.times.items()} for r in everyone},
-    }
-    hosts = [r.name for r in runs] + ([helper.name] if helper and any(f.host == helper.name for f in findings) else [])
-    interfaces = {h: [dataclasses.asdict(i) for i in ifs] for h, ifs in parsed.items()}
-    return DoctorReport(hosts, findings, rec.to_dict(flavor) if rec else None, timings, e2e_summary, fw_pairs,
-                        interfaces)
 
+def _analyse(spec: DoctorSpec, flavor, hosts: _Hosts):
+    """After every probe answered: env, network and GPU findings, and the subnet to use.
 
-def _analyse(spec, selection, flavor, runs, helper, cfg_path, launcher_in_list):
-    """After every probe answered: env, network, GPU findings, then the pair round over the live probes."""
-    everyone = runs + ([helper] if helper else [])
+    Returns:
+        (findings, recommendation or None, {host: interfaces} of the hosts to place on it,
+        this host's interfaces when it only helps, {host: interfaces} of every report).
+    """
+    runs, helper = hosts.runs, hosts.helper
     findings: list[Finding] = []
-    for r in everyone:
-        findings += r.findings
-        r.findings = []
-    local_report = next((r.report for r in everyone if r.local and r.report), None)
+    local_report = next((r.report for r in hosts.everyone if r.local and r.report), None)
     facts = env.local_facts(flavor, local_report, spec.program)
     probed = [r for r in runs if r.report and not r.report.get("error")]
-    parsed = {r.name: network.interfaces_of(r.report) for r in everyone if r.report and not r.report.get("error")}
-    # --- env ---
+    parsed = {r.name: network.interfaces_of(r.report) for r in hosts.everyone if r.report and not r.report.get("error")}
     for r in runs:
         if r.report:
             findings += env.env_findings(r.name, r.report, facts, is_this_host=r.local)
     findings += env.consistency_findings({r.name: r.report for r in runs if r.report and not r.local}, facts)
-    # --- network (none to choose when every rank runs on this host: MPI uses shared memory) ---
+    # No network to choose when every rank runs on this host: MPI uses shared memory.
     ifaces = {r.name: parsed[r.name] for r in probed}
     if all(r.local for r in runs):
         findings += [Finding(r.name, c, NA, "this host only: ranks talk through shared memory")
@@ -299,14 +318,34 @@ def _analyse(spec, selection, flavor, runs, helper, cfg_path, launcher_in_list):
     rec = network.recommend(ifaces, launcher_ifs, reached) if ifaces else None
     if ifaces:
         findings += network.network_findings(ifaces, rec, launcher_ifs)
-    # --- gpu ---
     findings += gpu.gpu_findings([gpu.host_gpus(r.name, r.slots, r.report) for r in probed])
-    # --- pairs: firewall and host-to-host ssh ---
-    fw_pairs = {}
-    if rec is not None:
-        fw_pairs = _pairs_phase(spec, runs, helper, rec, ifaces, launcher_ifs, cfg_path, selection, findings,
-                                launcher_in_list)
-    return findings, rec, fw_pairs, parsed
+    return findings, rec, ifaces, launcher_ifs, parsed
+
+
+def _not_checked(runs, findings, rec) -> list[Finding]:
+    """An NA finding, with the reason, for every check that could not run on a host."""
+    out = []
+    for r in runs:
+        for check in ("env", "network", "firewall", "gpu"):
+            if not any(f.host == r.name and f.check == check for f in findings):
+                why = ("no connection to the host" if not r.report else
+                       "no subnet shared by all hosts" if rec is None else "no other host to connect to")
+                out.append(Finding(r.name, check, NA, f"not checked: {why}"))
+    return out
+
+
+def _end_to_end(spec: DoctorSpec, runs, findings, flavor, rec, job_cfg):
+    """A real job through dtrun with the recommended flags, when nothing failed; (findings, summary)."""
+    if not spec.e2e:
+        return [Finding(r.name, "e2e", NA, "skipped (--no-e2e)") for r in runs], None
+    if any(f.status == FAIL for f in findings):
+        return [Finding(r.name, "e2e", NA, "skipped: fix the failures above first") for r in runs], None
+    for r in runs:
+        r.step = "end to end: running a job through dtrun"
+    names = {r.report.get("hostname"): r.name for r in runs if r.report and r.report.get("hostname")}
+    flags = rec.flags(flavor)["dtrun"] if rec else ""
+    return e2e_check.end_to_end([r.name for r in runs], job_cfg(), rec.cidr if rec else None, names,
+                                spec.e2e_timeout or e2e_check.E2E_TIMEOUT_S, flags_text=flags)
 
 
 def _job_ssh_config(selection, cfg_path: Optional[str]) -> Optional[str]:
@@ -316,68 +355,73 @@ def _job_ssh_config(selection, cfg_path: Optional[str]) -> Optional[str]:
     return write_job_config(selection, cfg_path)
 
 
-def _pairs_phase(spec, runs, helper, rec, ifaces, launcher_ifs, cfg_path, selection, findings, launcher_in_list):
-    """Second round with every live probe: TCP to every other listener, ssh where the tree needs it."""
-    import ipaddress
+def _address_on(net, ifs) -> Optional[str]:
+    """The first address of ``ifs`` inside ``net``."""
+    for i in ifs or ():
+        for n in i.networks:
+            if n.ip in net:
+                return str(n.ip)
+    return None
 
+
+def _ssh_hops(spec: DoctorSpec, names: list, launcher_in_list: bool):
+    """Which host-to-host ssh hops to try, and why (pure)."""
     from launcher.command import TREE_SPAWN_HOSTS
 
+    if spec.all_pairs:
+        return [(a, b) for a in names for b in names if a != b], "--all-pairs"
+    return (tree_spawn_pairs(names, TREE_SPAWN_HOSTS, launcher_in_list),
+            f"{len(names)} hosts: Open MPI's daemons start each other over ssh (tree spawn, radix {TREE_SPAWN_HOSTS})")
+
+
+def _pairs_phase(spec: DoctorSpec, hosts: _Hosts, rec, ifaces, launcher_ifs, job_cfg):
+    """Second round with every live probe: TCP to every other listener, ssh where the tree needs it.
+
+    Returns:
+        (firewall and host-to-host ssh findings, {host: its connection results}).
+    """
+    import ipaddress
+
+    from checks import ssh
+
     net = ipaddress.ip_network(rec.cidr)
-
-    def addr_on(ifs):
-        for i in ifs or ():
-            for n in i.networks:
-                if n.ip in net:
-                    return str(n.ip)
-        return None
-
-    live = [r for r in runs + ([helper] if helper else []) if r.report and r.report.get("port") and r.probe]
+    live = [r for r in hosts.everyone if r.report and r.report.get("port") and r.probe]
     endpoints = {}
     for r in live:
-        a = addr_on(launcher_ifs if r is helper else ifaces.get(r.name))
+        a = _address_on(net, launcher_ifs if r is hosts.helper else ifaces.get(r.name))
         if a:
             endpoints[r.name] = (a, r.report["port"])
     plan = firewall.connect_plan(endpoints)
-    names = [r.name for r in runs]
-    if spec.all_pairs:
-        ssh_pairs = [(a, b) for a in names for b in names if a != b]
-        why = "--all-pairs"
-    else:
-        ssh_pairs = tree_spawn_pairs(names, TREE_SPAWN_HOSTS, launcher_in_list)
-        why = f"{len(names)} hosts: Open MPI's daemons start each other over ssh (tree spawn, radix {TREE_SPAWN_HOSTS})"
-    job_cfg = _job_ssh_config(selection, cfg_path) if ssh_pairs else None
+    ssh_pairs, why = _ssh_hops(spec, [r.name for r in hosts.runs], hosts.launcher_in_list)
     by_src = {}
     for a, b in ssh_pairs:
         by_src.setdefault(a, []).append([b, b])
-    results, ssh_results = {}, {}
-    ssh_timeout = spec.timeout
+    base = {"timeout": firewall.CONNECT_TIMEOUT_S, "ssh_config": job_cfg() if ssh_pairs else None,
+            "ssh_timeout": spec.timeout}
+    requests = {r.name: dict(base, connect=plan.get(r.name, []), ssh=by_src.get(r.name, [])) for r in live}
+    busy = [r for r in live if requests[r.name]["connect"] or requests[r.name]["ssh"]]
+    answers = ssh.fan_out(busy, lambda r: _connect_pairs(spec, r, requests[r.name]), MAX_WORKERS)
+    results = {name: out.get("connect", {}) for name, out in answers.ok.items()}
+    findings = firewall.firewall_findings(results, endpoints, rec.cidr) if len(endpoints) > 1 else []
+    findings += ssh_pair_findings({name: out.get("ssh", {}) for name, out in answers.ok.items()}, why,
+                                  bool(spec.all_pairs))
+    return findings + answers.findings("firewall"), results
 
-    def phase_c(r):
-        req = {"connect": plan.get(r.name, []), "timeout": firewall.CONNECT_TIMEOUT_S,
-               "ssh": by_src.get(r.name, []), "ssh_config": job_cfg, "ssh_timeout": ssh_timeout}
-        if not req["connect"] and not req["ssh"]:
-            return
-        r.step = "firewall: connecting"
-        t0 = time.monotonic()
-        try:
-            r.probe.send(req)
-            # The probe connects all at once, and runs its ssh hops 32 at a time, each within ssh_timeout + 5 s.
-            batches = -(-len(req["ssh"]) // 32)
-            wait = firewall.CONNECT_TIMEOUT_S + spec.timeout + batches * (ssh_timeout + 5)
-            out = r.probe.read(wait, "firewall probe")
-            results[r.name] = out.get("connect", {})
-            ssh_results[r.name] = out.get("ssh", {})
-            r.step = "firewall: done"
-        except CheckError as exc:
-            r.findings.append(from_error("firewall", exc))
+
+def _connect_pairs(spec: DoctorSpec, r: HostRun, req: dict) -> dict:
+    """One host's probe connects to the others' listeners and runs its ssh hops; its answer."""
+    r.step = "firewall: connecting"
+    t0 = time.monotonic()
+    try:
+        r.probe.send(req)
+        # The probe connects all at once, and runs its ssh hops 32 at a time, each within ssh_timeout + 5 s.
+        batches = -(-len(req["ssh"]) // 32)
+        out = r.probe.read(firewall.CONNECT_TIMEOUT_S + spec.timeout + batches * (req["ssh_timeout"] + 5),
+                           "firewall probe")
+        r.step = "firewall: done"
+        return out
+    finally:
         r.times["pairs"] = time.monotonic() - t0
-
-    with ThreadPoolExecutor(max_workers=max(1, min(MAX_WORKERS, len(live)))) as pool:
-        list(pool.map(phase_c, live))
-    if len(endpoints) > 1:
-        findings += firewall.firewall_findings(results, endpoints, rec.cidr)
-    findings += ssh_pair_findings(ssh_results, why, bool(spec.all_pairs))
-    return results
 
 
 def ssh_pair_findings(results: dict, why: str, all_pairs: bool) -> list[Finding]:

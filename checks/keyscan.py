@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
-from checks.errors import CheckError, HostKeyChanged, HostKeyRevoked, HostKeyUnknown
+from checks.errors import HostKeyChanged, HostKeyRevoked, HostKeyUnknown
 from launcher.errors import ExitCode, UsageError
 
 
@@ -105,11 +105,12 @@ def keyscan(spec: KeyscanSpec, stdin: Optional[TextIO] = None, out: Optional[Tex
     keys = ssh.fan_out(targets, lambda t: fetch_key(t, spec.timeout))
     code = ExitCode.OK
     for t in targets:
-        key = keys[t.name]
-        if isinstance(key, CheckError):
-            print(f"{t.name}: {key.detail}; fix: {key.fix}", file=out)
+        if t.name in keys.failed:
+            err = keys.failed[t.name]
+            print(f"{t.name}: {err.detail}; fix: {err.fix}", file=out)
             code = ExitCode.FAILED
             continue
+        key = keys.ok[t.name]
         known_file, known = ssh.known_host_keys(t)
         where = f"{t.name} ({t.known_hosts_name})"
         try:

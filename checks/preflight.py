@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from checks.errors import CheckError, PreflightError
-from checks.result import FAIL, Finding, from_error
+from checks.result import FAIL, Finding
 
 CACHE_TTL_S = 300.0
 TIMEOUT_S = 5.0
@@ -95,11 +95,8 @@ def check(hosts, ssh_config: Optional[str], timeout: float = TIMEOUT_S) -> Prefl
     remote = [h for h in hosts if not is_local(h.host)]
     targets = [ssh.ssh_target(h, config, ssh_config) for h in remote]
     conns = ssh.connect_all(targets, timeout)
-    findings, ifaces, reached = [], {}, {}
-    for name, conn in conns.items():
-        if isinstance(conn, CheckError):
-            findings.append(from_error("ssh", conn))
-            continue
+    findings, ifaces, reached = conns.findings("ssh"), {}, {}
+    for name, conn in conns.ok.items():
         try:
             rc, out, _ = conn.run(IP_ADDR_COMMAND, timeout)
             if rc == 0:

@@ -47,3 +47,20 @@ def worst(statuses: Iterable[str]) -> str:
 def from_error(check: str, err) -> Finding:
     """A failed Finding from a ``checks.errors.CheckError``."""
     return Finding(err.host, check, FAIL, err.detail, err.fix)
+
+
+@dataclass(frozen=True)
+class HostResults:
+    """Every host's answer to one step run on all hosts at once (like fabric's ``GroupResult``).
+
+    ``ok`` maps each host that answered to its value, ``failed`` each other host to the
+    ``CheckError`` it raised, both in the order the hosts were given. Callers read the
+    two maps instead of testing each value's type.
+    """
+
+    ok: dict
+    failed: dict
+
+    def findings(self, check) -> list[Finding]:
+        """A failed Finding per failed host; ``check`` is the check's name, or a function of the host's."""
+        return [from_error(check(host) if callable(check) else check, err) for host, err in self.failed.items()]

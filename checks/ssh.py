@@ -601,22 +601,32 @@ def connect(target: SshTarget, timeout: float = DEFAULT_TIMEOUT_S) -> SshConnect
                          {"tcp": t_tcp - t0, "kex": t_kex - t_tcp, "auth": t_auth - t_kex, "total": t_auth - t0})
 
 
-def fan_out(targets: Sequence[SshTarget], work, workers: int = 32) -> dict:
-    """``work(target)`` for every target in parallel: {name: its result, or the CheckError it raised}."""
+def fan_out(items: Sequence, work, workers: int = 32, key=lambda item: item.name):
+    """``work(item)`` for every item (a target, a host) in parallel, never stopping at a failure.
+
+    Returns:
+        ``HostResults``: ``ok`` holds each result and ``failed`` each ``CheckError`` raised,
+        keyed by ``key(item)`` (the host's name).
+    """
     from concurrent.futures import ThreadPoolExecutor
 
     from checks.errors import CheckError
+    from checks.result import HostResults
 
-    def one(t):
+    def one(item):
         try:
-            return work(t)
+            return True, work(item)
         except CheckError as exc:
-            return exc
+            return False, exc
 
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(targets)))) as pool:
-        return dict(zip([t.name for t in targets], pool.map(one, targets)))
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(items)))) as pool:
+        answers = list(pool.map(one, items))
+    ok, failed = {}, {}
+    for item, (fine, value) in zip(items, answers):
+        (ok if fine else failed)[key(item)] = value
+    return HostResults(ok, failed)
 
 
-def connect_all(targets: Sequence[SshTarget], timeout: float) -> dict:
-    """Connect to every target in parallel; {name: SshConnection or CheckError}."""
+def connect_all(targets: Sequence[SshTarget], timeout: float):
+    """Connect to every target in parallel: ``HostResults`` of SshConnection / CheckError."""
     return fan_out(targets, lambda t: connect(t, timeout))

@@ -149,3 +149,25 @@ def test_preflight_cache_expires(tmp_path, monkeypatch):
     hit = preflight.read_cache(key)
     assert (hit.include, hit.nccl) == ("10.0.0.0/24", "=eth0")
     assert preflight.read_cache(key, now=time.time() + preflight.CACHE_TTL_S + 1) is None
+
+
+def test_fan_out_answers_for_every_host_and_never_stops_at_a_failure():
+    from types import SimpleNamespace
+
+    from checks.errors import ConnectTimeout
+    from checks.result import FAIL
+    from checks.ssh import fan_out
+
+    def work(t):
+        if t.name.startswith("bad"):
+            raise ConnectTimeout(t.name, f"TCP to {t.name}:22 timed out", "check the host")
+        return t.name.upper()
+
+    hosts = [SimpleNamespace(name=n) for n in ("a", "bad1", "b", "bad2")]
+    res = fan_out(hosts, work)
+    assert res.ok == {"a": "A", "b": "B"}
+    assert list(res.failed) == ["bad1", "bad2"]
+    [f1, f2] = res.findings("ssh")
+    assert (f1.host, f1.check, f1.status, f1.detail, f1.fix) == ("bad1", "ssh", FAIL, "TCP to bad1:22 timed out",
+                                                                 "check the host")
+    assert [f.check for f in res.findings(lambda h: "env" if h == "bad2" else "ssh")] == ["ssh", "env"]
