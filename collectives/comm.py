@@ -122,6 +122,7 @@ class Comm:
         self._fusion_bufs: dict[np.dtype, np.ndarray] = {}
         self._group_plans: dict[tuple, tuple] = {}
         self._gpu = None  # collectives.gpu.GpuContext, created on first GPU array
+        self._error_ctx: dict[str, _MpiErrors] = {}
         self._seq = 0
         self._rec = None  # ring view of the flight recorder, when this Comm owns it
         self._rec_map = None
@@ -291,26 +292,58 @@ class Comm:
             self._shm.free()
             self._shm = None
 
+    # ---------------------------------------------------------------- running an op
+    def _errors(self, op: str) -> "_MpiErrors":
+        """Context manager: an ``MPI.Exception`` inside becomes MPIError naming ``op``."""
+        ctx = self._error_ctx.get(op)
+        if ctx is None:
+            ctx = self._error_ctx[op] = _MpiErrors(self, op)
+        return ctx
+
+    def _finisher(self, finish, xp):
+        """What completes a reduction's result in place (an average's division), for ``xp``."""
+        if finish is None or xp is np:
+            return finish
+        n = self.size
+        return lambda r: xp.true_divide(r, n, out=r)
+
+    def _run(self, opname: str, c: "_Op") -> Any:
+        """The blocking form of a set-up collective: call MPI, complete the result."""
+        call, args, result, finish = c
+        try:
+            getattr(self.mpi, call)(*args)
+        except MPI.Exception as e:  # the one translation for every collective (hot path: no `with`)
+            raise self._mpi_error(opname, e) from None
+        if finish is not None and result is not None:
+            finish(result)
+        return result
+
+    def _start(self, opname: str, c: "_Op", keep: Any) -> Handle:
+        """The non-blocking form of the same set-up: MPI_I…, completed when the handle is."""
+        call, args, result, finish = c
+        post = None
+        if finish is not None and result is not None:
+            post = lambda r: (finish(r), r)[1]  # noqa: E731
+        with self._errors(opname):
+            request = getattr(self.mpi, _NONBLOCKING[call])(*args)
+        return Handle(request, result, post, keep=keep, op=opname)
+
     # ---------------------------------------------------------------- point to point
     def send(self, x: Any, dest: int, tag: int = 0) -> None:
         """Blocking send of array ``x`` to rank ``dest``."""
         if type(x) is not np.ndarray:
             return self._foreign("send", x, dest, tag)
         t = self._type(x, "send")
-        try:
+        with self._errors("send"):
             self.mpi.Send([x, t], dest, tag)
-        except MPI.Exception as e:
-            raise self._mpi_error("send", e) from None
 
     def recv(self, out: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Any:
         """Blocking receive into ``out`` (shape/dtype as sent); returns ``out``."""
         if type(out) is not np.ndarray:
             return self._foreign("recv", out, source, tag)
         t = self._type(out, "recv")
-        try:
+        with self._errors("recv"):
             self.mpi.Recv([out, t], source, tag)
-        except MPI.Exception as e:
-            raise self._mpi_error("recv", e) from None
         return out
 
     def isend(self, x: Any, dest: int, tag: int = 0) -> Handle:
@@ -318,14 +351,16 @@ class Comm:
         if type(x) is not np.ndarray:
             return self._foreign("isend", x, dest, tag)
         t = self._type(x, "isend")
-        return Handle(self.mpi.Isend([x, t], dest, tag), None, keep=x, op="isend")
+        with self._errors("isend"):
+            return Handle(self.mpi.Isend([x, t], dest, tag), None, keep=x, op="isend")
 
     def irecv(self, out: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Handle:
         """Non-blocking receive into ``out``; ``wait()`` returns ``out``."""
         if type(out) is not np.ndarray:
             return self._foreign("irecv", out, source, tag)
         t = self._type(out, "irecv")
-        return Handle(self.mpi.Irecv([out, t], source, tag), out, op="irecv")
+        with self._errors("irecv"):
+            return Handle(self.mpi.Irecv([out, t], source, tag), out, op="irecv")
 
     def sendrecv(self, x: Any, dest: int, out: Any, source: int = ANY_SOURCE,
                  sendtag: int = 0, recvtag: int = ANY_TAG) -> Any:
@@ -333,19 +368,21 @@ class Comm:
         if type(x) is not np.ndarray or type(out) is not np.ndarray:
             return self._foreign("sendrecv", x, dest, out, source, sendtag, recvtag)
         t, u = self._type(x, "sendrecv"), self._type(out, "sendrecv")
-        try:
+        with self._errors("sendrecv"):
             self.mpi.Sendrecv([x, t], dest, sendtag, [out, u], source, recvtag)
-        except MPI.Exception as e:
-            raise self._mpi_error("sendrecv", e) from None
         return out
 
     # ---------------------------------------------------------------- collectives
+    # Each collective with a non-blocking twin sets up once, in ``_<name>_op``: the
+    # checks, the DTRUN_CHECK signature, the output array and the MPI arguments. The
+    # blocking form runs that description with ``_run``, the ``i…`` form with ``_start``.
     def barrier(self) -> None:
         if self.check:
             self._signature("barrier", None)
         if self._rec is not None:
             self._note("barrier", None)
-        self.mpi.Barrier()
+        with self._errors("barrier"):
+            self.mpi.Barrier()
 
     def allreduce(self, x: Any, op: str = SUM, out: Any = None, inplace: bool = False) -> Any:
         """Reduce ``x`` over all ranks with ``op`` (sum, prod, min, max, avg); every rank
@@ -354,38 +391,35 @@ class Comm:
             return self._foreign("allreduce", x, op=op, out=out, inplace=inplace)
         return self._allreduce(x, op, out, inplace, np)
 
-    def _allreduce(self, x, op, out, inplace, xp):
-        t, mop, kern, finish, canon, rbits = self._redop(x, op, "allreduce")
+    def _allreduce_op(self, x, op, out, inplace, xp, opname) -> "_Op":
+        t, mop, _, finish, canon, rbits = self._redop(x, op, opname)
         if not x.flags.c_contiguous:
-            self._type(x, "allreduce")
+            self._type(x, opname)
         if self.check:
             self._signature("allreduce", x, canon)
         r = self._rec
-        if r is not None:  # flight recorder, inlined: this is the hot path
+        if r is not None:  # flight recorder, inlined: allreduce is the hot path
             s = self._seq = self._seq + 1
             i = (s & _REC_MASK) << 1
             r[i + 1] = rbits | x.size
             r[i] = s
         if inplace or out is x:
-            out = x
-            send = IN_PLACE
+            out, send = x, IN_PLACE
         else:
-            out = self._out(x, out, x.shape, "allreduce", xp)
-            send = [x, t]
+            out, send = self._out(x, out, x.shape, opname, xp), [x, t]
+        return ("Allreduce", (send, [out, t], mop), out,
+                finish if finish is None or xp is np else self._finisher(finish, xp))
+
+    def _allreduce(self, x, op, out, inplace, xp):
+        c = self._allreduce_op(x, op, out, inplace, xp, "allreduce")
         shm = self._shm
         if shm is not None and xp is np and x.nbytes >= self._shm_threshold:
-            try:
+            t, mop, kern, finish, _, _ = self._redop(x, op, "allreduce")  # cached by the set-up
+            out = c[2]
+            with self._errors("allreduce"):
                 shm.allreduce(x, out, kern, t, mop, finish)
-            except MPI.Exception as e:
-                raise self._mpi_error("allreduce", e) from None
             return out
-        try:
-            self.mpi.Allreduce(send, [out, t], mop)
-        except MPI.Exception as e:
-            raise self._mpi_error("allreduce", e) from None
-        if finish is not None:
-            finish(out) if xp is np else xp.true_divide(out, self.size, out=out)
-        return out
+        return self._run("allreduce", c)
 
     def iallreduce(self, x: Any, op: str = SUM, out: Any = None, inplace: bool = False) -> Handle:
         """Non-blocking allreduce (MPI_Iallreduce); ``wait()`` returns the result."""
@@ -394,24 +428,7 @@ class Comm:
         return self._iallreduce(x, op, out, inplace, np)
 
     def _iallreduce(self, x, op, out, inplace, xp):
-        t, mop, _, finish, canon, _ = self._redop(x, op, "iallreduce")
-        self._type(x, "iallreduce")
-        if self.check:
-            self._signature("allreduce", x, canon)
-        if self._rec is not None:
-            self._note("allreduce", x, canon)
-        if inplace or out is x:
-            out, send = x, IN_PLACE
-        else:
-            out = self._out(x, out, x.shape, "iallreduce", xp)
-            send = [x, t]
-        post = None
-        if finish is not None:
-            n = self.size
-            post = (lambda r: (finish(r), r)[1]) if xp is np else \
-                (lambda r: (xp.true_divide(r, n, out=r), r)[1])
-        return Handle(self.mpi.Iallreduce(send, [out, t], mop), out, post, keep=x,
-                      op="iallreduce")
+        return self._start("iallreduce", self._allreduce_op(x, op, out, inplace, xp, "iallreduce"), x)
 
     def reduce(self, x: Any, op: str = SUM, root: int = 0, out: Any = None,
                inplace: bool = False) -> Any:
@@ -420,52 +437,30 @@ class Comm:
             return self._foreign("reduce", x, op=op, root=root, out=out, inplace=inplace)
         return self._reduce(x, op, root, out, inplace, np)
 
-    def _reduce(self, x, op, root, out, inplace, xp):
-        t, mop, _, finish, canon, _ = self._redop(x, op, "reduce")
-        self._type(x, "reduce")
+    def _reduce_op(self, x, op, root, out, inplace, xp, opname) -> "_Op":
+        t, mop, _, finish, canon, _ = self._redop(x, op, opname)
+        self._type(x, opname)
         if self.check:
             self._signature("reduce", x, canon, root)
         if self._rec is not None:
             self._note("reduce", x, canon, root)
-        is_root = self.rank == root
-        if is_root:
-            if inplace or out is x:
-                out, send = x, IN_PLACE
-            else:
-                out = self._out(x, out, x.shape, "reduce", xp)
-                send = [x, t]
-            recv = [out, t]
+        if self.rank != root:
+            return ("Reduce", ([x, t], None, mop, root), None, None)
+        if inplace or out is x:
+            out, send = x, IN_PLACE
         else:
-            send, recv, out = [x, t], None, None
-        try:
-            self.mpi.Reduce(send, recv, mop, root)
-        except MPI.Exception as e:
-            raise self._mpi_error("reduce", e) from None
-        if is_root and finish is not None:
-            finish(out) if xp is np else xp.true_divide(out, self.size, out=out)
-        return out
+            out, send = self._out(x, out, x.shape, opname, xp), [x, t]
+        return ("Reduce", (send, [out, t], mop, root), out, self._finisher(finish, xp))
+
+    def _reduce(self, x, op, root, out, inplace, xp):
+        return self._run("reduce", self._reduce_op(x, op, root, out, inplace, xp, "reduce"))
 
     def ireduce(self, x: Any, op: str = SUM, root: int = 0, out: Any = None,
                 inplace: bool = False) -> Handle:
         """Non-blocking reduce; ``wait()`` returns the result on root, None elsewhere."""
         if type(x) is not np.ndarray:
             return self._foreign("ireduce", x, op=op, root=root, out=out, inplace=inplace)
-        t, mop, _, finish, canon, _ = self._redop(x, op, "ireduce")
-        self._type(x, "ireduce")
-        if self.check:
-            self._signature("reduce", x, canon, root)
-        if self._rec is not None:
-            self._note("reduce", x, canon, root)
-        if self.rank == root:
-            if inplace or out is x:
-                out, send = x, IN_PLACE
-            else:
-                out, send = self._out(x, out, x.shape, "ireduce"), [x, t]
-            recv = [out, t]
-        else:
-            send, recv, out = [x, t], None, None
-        post = (lambda r: (finish(r), r)[1]) if (finish is not None and out is not None) else None
-        return Handle(self.mpi.Ireduce(send, recv, mop, root), out, post, keep=x, op="ireduce")
+        return self._start("ireduce", self._reduce_op(x, op, root, out, inplace, np, "ireduce"), x)
 
     def broadcast(self, x: Any, root: int = 0, out: Any = None, inplace: bool = False) -> Any:
         """Copy root's ``x`` to every rank. Non-root ranks pass an array of the same
@@ -474,40 +469,28 @@ class Comm:
             return self._foreign("broadcast", x, root=root, out=out, inplace=inplace)
         return self._broadcast(x, root, out, inplace, np)
 
-    def _broadcast(self, x, root, out, inplace, xp):
-        t = self._type(x, "broadcast")
+    def _broadcast_op(self, x, root, out, inplace, xp, opname) -> "_Op":
+        t = self._type(x, opname)
         if self.check:
             self._signature("broadcast", x, None, root)
         if self._rec is not None:
             self._note("broadcast", x, None, root)
         if not (inplace or out is x):
-            out = self._out(x, out, x.shape, "broadcast", xp)
+            out = self._out(x, out, x.shape, opname, xp)
             if self.rank == root:
                 xp.copyto(out, x)
         else:
             out = x
-        try:
-            self.mpi.Bcast([out, t], root)
-        except MPI.Exception as e:
-            raise self._mpi_error("broadcast", e) from None
-        return out
+        return ("Bcast", ([out, t], root), out, None)
+
+    def _broadcast(self, x, root, out, inplace, xp):
+        return self._run("broadcast", self._broadcast_op(x, root, out, inplace, xp, "broadcast"))
 
     def ibroadcast(self, x: Any, root: int = 0, out: Any = None, inplace: bool = False) -> Handle:
         """Non-blocking broadcast (MPI_Ibcast)."""
         if type(x) is not np.ndarray:
             return self._foreign("ibroadcast", x, root=root, out=out, inplace=inplace)
-        t = self._type(x, "ibroadcast")
-        if self.check:
-            self._signature("broadcast", x, None, root)
-        if self._rec is not None:
-            self._note("broadcast", x, None, root)
-        if not (inplace or out is x):
-            out = self._out(x, out, x.shape, "ibroadcast")
-            if self.rank == root:
-                np.copyto(out, x)
-        else:
-            out = x
-        return Handle(self.mpi.Ibcast([out, t], root), out, op="ibroadcast")
+        return self._start("ibroadcast", self._broadcast_op(x, root, out, inplace, np, "ibroadcast"), x)
 
     def scatter(self, x: Any, root: int = 0, out: Any = None, inplace: bool = False) -> Any:
         """Split root's ``x`` along axis 0 into ``size`` equal parts; rank i gets part i.
@@ -533,7 +516,7 @@ class Comm:
                 self._signature("scatter", out, None, root)
             if self._rec is not None:
                 self._note("scatter", out, None, root)
-            return self._scatter_call(None, [out, t], root, out)
+            return self._run("scatter", ("Scatter", (None, [out, t], root), out, None))
         t = self._type(x, "scatter")
         rows = self._rows(x, "scatter")
         if self.check:
@@ -542,18 +525,10 @@ class Comm:
             self._note("scatter", x, None, root)
         part = x[self.rank * rows:(self.rank + 1) * rows]
         if inplace:
-            if is_root:
-                return self._scatter_call([x, t], IN_PLACE, root, part)
-            return self._scatter_call(None, [part, t], root, part)
+            args = ([x, t], IN_PLACE, root) if is_root else (None, [part, t], root)
+            return self._run("scatter", ("Scatter", args, part, None))
         out = self._out(x, out, (rows,) + tuple(x.shape[1:]), "scatter", xp)
-        return self._scatter_call([x, t] if is_root else None, [out, t], root, out)
-
-    def _scatter_call(self, send, recv, root, result):
-        try:
-            self.mpi.Scatter(send, recv, root)
-        except MPI.Exception as e:
-            raise self._mpi_error("scatter", e) from None
-        return result
+        return self._run("scatter", ("Scatter", ([x, t] if is_root else None, [out, t], root), out, None))
 
     def gather(self, x: Any, root: int = 0, out: Any = None, inplace: bool = False) -> Any:
         """Concatenate every rank's ``x`` along axis 0 on ``root`` (equal shapes).
@@ -572,24 +547,17 @@ class Comm:
         if self._rec is not None:
             self._note("gather", x, None, root)
         is_root = self.rank == root
-        try:
-            if inplace:
-                rows = self._rows(x, "gather")
-                if is_root:
-                    self.mpi.Gather(IN_PLACE, [x, t], root)
-                    return x
-                part = x[self.rank * rows:(self.rank + 1) * rows]
-                self.mpi.Gather([part, t], None, root)
-                return None
+        if inplace:
+            rows = self._rows(x, "gather")
             if is_root:
-                shape = (self.size * (x.shape[0] if x.ndim else 1),) + tuple(x.shape[1:])
-                out = self._out(x, out, shape, "gather", xp)
-                self.mpi.Gather([x, t], [out, t], root)
-                return out
-            self.mpi.Gather([x, t], None, root)
-            return None
-        except MPI.Exception as e:
-            raise self._mpi_error("gather", e) from None
+                return self._run("gather", ("Gather", (IN_PLACE, [x, t], root), x, None))
+            part = x[self.rank * rows:(self.rank + 1) * rows]
+            return self._run("gather", ("Gather", ([part, t], None, root), None, None))
+        if is_root:
+            shape = (self.size * (x.shape[0] if x.ndim else 1),) + tuple(x.shape[1:])
+            out = self._out(x, out, shape, "gather", xp)
+            return self._run("gather", ("Gather", ([x, t], [out, t], root), out, None))
+        return self._run("gather", ("Gather", ([x, t], None, root), None, None))
 
     def allgather(self, x: Any, out: Any = None, inplace: bool = False) -> Any:
         """Concatenate every rank's ``x`` (equal shapes) along axis 0, on every rank.
@@ -601,39 +569,27 @@ class Comm:
             return self._foreign("allgather", x, out=out, inplace=inplace)
         return self._allgather(x, out, inplace, np)
 
-    def _allgather(self, x, out, inplace, xp):
-        t = self._type(x, "allgather")
-        if self.check:
-            self._signature("allgather", x)
-        if self._rec is not None:
-            self._note("allgather", x)
-        try:
-            if inplace or out is x:
-                self._rows(x, "allgather")
-                self.mpi.Allgather(IN_PLACE, [x, t])
-                return x
-            shape = (self.size * (x.shape[0] if x.ndim else 1),) + tuple(x.shape[1:])
-            out = self._out(x, out, shape, "allgather", xp)
-            self.mpi.Allgather([x, t], [out, t])
-            return out
-        except MPI.Exception as e:
-            raise self._mpi_error("allgather", e) from None
-
-    def iallgather(self, x: Any, out: Any = None, inplace: bool = False) -> Handle:
-        """Non-blocking allgather (MPI_Iallgather)."""
-        if type(x) is not np.ndarray:
-            return self._foreign("iallgather", x, out=out, inplace=inplace)
-        t = self._type(x, "iallgather")
+    def _allgather_op(self, x, out, inplace, xp, opname) -> "_Op":
+        t = self._type(x, opname)
         if self.check:
             self._signature("allgather", x)
         if self._rec is not None:
             self._note("allgather", x)
         if inplace or out is x:
-            self._rows(x, "iallgather")
-            return Handle(self.mpi.Iallgather(IN_PLACE, [x, t]), x, op="iallgather")
+            self._rows(x, opname)
+            return ("Allgather", (IN_PLACE, [x, t]), x, None)
         shape = (self.size * (x.shape[0] if x.ndim else 1),) + tuple(x.shape[1:])
-        out = self._out(x, out, shape, "iallgather")
-        return Handle(self.mpi.Iallgather([x, t], [out, t]), out, keep=x, op="iallgather")
+        out = self._out(x, out, shape, opname, xp)
+        return ("Allgather", ([x, t], [out, t]), out, None)
+
+    def _allgather(self, x, out, inplace, xp):
+        return self._run("allgather", self._allgather_op(x, out, inplace, xp, "allgather"))
+
+    def iallgather(self, x: Any, out: Any = None, inplace: bool = False) -> Handle:
+        """Non-blocking allgather (MPI_Iallgather)."""
+        if type(x) is not np.ndarray:
+            return self._foreign("iallgather", x, out=out, inplace=inplace)
+        return self._start("iallgather", self._allgather_op(x, out, inplace, np, "iallgather"), x)
 
     def _counts(self, x: np.ndarray, opname: str) -> tuple[list[int], list[int], list[int]]:
         """Exchange per-rank row counts plus dtype/trailing shape; raise on mismatch."""
@@ -677,11 +633,7 @@ class Comm:
             self._note("allgatherv", x)
         rows, counts, displs = self._counts(x, "allgatherv")
         out = self._out(x, out, (sum(rows),) + tuple(x.shape[1:]), "allgatherv", xp)
-        try:
-            self.mpi.Allgatherv([x, t], [out, (counts, displs), t])
-        except MPI.Exception as e:
-            raise self._mpi_error("allgatherv", e) from None
-        return out
+        return self._run("allgatherv", ("Allgatherv", ([x, t], [out, (counts, displs), t]), out, None))
 
     def gatherv(self, x: Any, root: int = 0, out: Any = None) -> Any:
         """Like ``gather`` but per-rank lengths along axis 0 may differ."""
@@ -696,15 +648,10 @@ class Comm:
         if self._rec is not None:
             self._note("gatherv", x, None, root)
         rows, counts, displs = self._counts(x, "gatherv")
-        try:
-            if self.rank == root:
-                out = self._out(x, out, (sum(rows),) + tuple(x.shape[1:]), "gatherv", xp)
-                self.mpi.Gatherv([x, t], [out, (counts, displs), t], root)
-                return out
-            self.mpi.Gatherv([x, t], None, root)
-            return None
-        except MPI.Exception as e:
-            raise self._mpi_error("gatherv", e) from None
+        if self.rank != root:
+            return self._run("gatherv", ("Gatherv", ([x, t], None, root), None, None))
+        out = self._out(x, out, (sum(rows),) + tuple(x.shape[1:]), "gatherv", xp)
+        return self._run("gatherv", ("Gatherv", ([x, t], [out, (counts, displs), t], root), out, None))
 
     def reduce_scatter(self, x: Any, op: str = SUM, out: Any = None,
                        inplace: bool = False) -> Any:
@@ -714,42 +661,30 @@ class Comm:
             return self._foreign("reduce_scatter", x, op=op, out=out, inplace=inplace)
         return self._reduce_scatter(x, op, out, inplace, np)
 
-    def _reduce_scatter(self, x, op, out, inplace, xp):
-        t, mop, _, finish, canon, _ = self._redop(x, op, "reduce_scatter")
-        self._type(x, "reduce_scatter")
-        rows = self._rows(x, "reduce_scatter")
+    def _reduce_scatter_op(self, x, op, out, inplace, xp, opname) -> "_Op":
+        t, mop, _, finish, canon, _ = self._redop(x, op, opname)
+        self._type(x, opname)
+        rows = self._rows(x, opname)
         if self.check:
             self._signature("reduce_scatter", x, canon)
         if self._rec is not None:
             self._note("reduce_scatter", x, canon)
-        try:
-            if inplace:
-                self.mpi.Reduce_scatter_block(IN_PLACE, [x, t], mop)
-                out = x[:rows]
-            else:
-                out = self._out(x, out, (rows,) + tuple(x.shape[1:]), "reduce_scatter", xp)
-                self.mpi.Reduce_scatter_block([x, t], [out, t], mop)
-        except MPI.Exception as e:
-            raise self._mpi_error("reduce_scatter", e) from None
-        if finish is not None:
-            finish(out) if xp is np else xp.true_divide(out, self.size, out=out)
-        return out
+        if inplace:
+            return ("Reduce_scatter_block", (IN_PLACE, [x, t], mop), x[:rows],
+                       self._finisher(finish, xp))
+        out = self._out(x, out, (rows,) + tuple(x.shape[1:]), opname, xp)
+        return ("Reduce_scatter_block", ([x, t], [out, t], mop), out, self._finisher(finish, xp))
+
+    def _reduce_scatter(self, x, op, out, inplace, xp):
+        return self._run("reduce_scatter",
+                         self._reduce_scatter_op(x, op, out, inplace, xp, "reduce_scatter"))
 
     def ireduce_scatter(self, x: Any, op: str = SUM, out: Any = None) -> Handle:
         """Non-blocking reduce_scatter (MPI_Ireduce_scatter_block)."""
         if type(x) is not np.ndarray:
             return self._foreign("ireduce_scatter", x, op=op, out=out)
-        t, mop, _, finish, canon, _ = self._redop(x, op, "ireduce_scatter")
-        self._type(x, "ireduce_scatter")
-        rows = self._rows(x, "ireduce_scatter")
-        if self.check:
-            self._signature("reduce_scatter", x, canon)
-        if self._rec is not None:
-            self._note("reduce_scatter", x, canon)
-        out = self._out(x, out, (rows,) + tuple(x.shape[1:]), "ireduce_scatter")
-        post = (lambda r: (finish(r), r)[1]) if finish is not None else None
-        return Handle(self.mpi.Ireduce_scatter_block([x, t], [out, t], mop), out, post,
-                      keep=x, op="ireduce_scatter")
+        return self._start("ireduce_scatter",
+                           self._reduce_scatter_op(x, op, out, False, np, "ireduce_scatter"), x)
 
     def alltoall(self, x: Any, out: Any = None, inplace: bool = False) -> Any:
         """Rank i sends part j of ``x`` (axis 0 in ``size`` equal parts) to rank j and
@@ -758,35 +693,26 @@ class Comm:
             return self._foreign("alltoall", x, out=out, inplace=inplace)
         return self._alltoall(x, out, inplace, np)
 
-    def _alltoall(self, x, out, inplace, xp):
-        t = self._type(x, "alltoall")
-        self._rows(x, "alltoall")
+    def _alltoall_op(self, x, out, inplace, xp, opname) -> "_Op":
+        t = self._type(x, opname)
+        self._rows(x, opname)
         if self.check:
             self._signature("alltoall", x)
         if self._rec is not None:
             self._note("alltoall", x)
-        try:
-            if inplace or out is x:
-                self.mpi.Alltoall(IN_PLACE, [x, t])
-                return x
-            out = self._out(x, out, x.shape, "alltoall", xp)
-            self.mpi.Alltoall([x, t], [out, t])
-            return out
-        except MPI.Exception as e:
-            raise self._mpi_error("alltoall", e) from None
+        if inplace or out is x:
+            return ("Alltoall", (IN_PLACE, [x, t]), x, None)
+        out = self._out(x, out, x.shape, opname, xp)
+        return ("Alltoall", ([x, t], [out, t]), out, None)
+
+    def _alltoall(self, x, out, inplace, xp):
+        return self._run("alltoall", self._alltoall_op(x, out, inplace, xp, "alltoall"))
 
     def ialltoall(self, x: Any, out: Any = None) -> Handle:
         """Non-blocking alltoall (MPI_Ialltoall)."""
         if type(x) is not np.ndarray:
             return self._foreign("ialltoall", x, out=out)
-        t = self._type(x, "ialltoall")
-        self._rows(x, "ialltoall")
-        if self.check:
-            self._signature("alltoall", x)
-        if self._rec is not None:
-            self._note("alltoall", x)
-        out = self._out(x, out, x.shape, "ialltoall")
-        return Handle(self.mpi.Ialltoall([x, t], [out, t]), out, keep=x, op="ialltoall")
+        return self._start("ialltoall", self._alltoall_op(x, out, False, np, "ialltoall"), x)
 
     # ---------------------------------------------------------------- fusion
     def grouped_allreduce(self, arrays: Sequence[Any], op: str = SUM,
@@ -916,6 +842,39 @@ class Comm:
         for step in plan[0]:
             if len(step) == 4:
                 step[0].Free()
+
+
+# A collective, set up (``_Op``): (mpi4py's blocking call, its arguments, the result,
+# what completes the result in place once MPI is done, e.g. an average's division, or
+# None). A plain tuple: building one sits on the allreduce hot path.
+_Op = tuple
+
+
+# mpi4py's non-blocking form of each blocking call that has one.
+_NONBLOCKING = {"Allreduce": "Iallreduce", "Reduce": "Ireduce", "Bcast": "Ibcast",
+                "Allgather": "Iallgather", "Reduce_scatter_block": "Ireduce_scatter_block",
+                "Alltoall": "Ialltoall"}
+
+
+class _MpiErrors:
+    """``with comm._errors(op):`` turns an ``MPI.Exception`` into MPIError naming ``op``.
+
+    A class rather than a generator-based context manager: it sits on the allreduce
+    hot path, and ``Comm`` keeps one instance per operation name.
+    """
+
+    __slots__ = ("comm", "op")
+
+    def __init__(self, comm: Comm, op: str) -> None:
+        self.comm, self.op = comm, op
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if kind is not None and issubclass(kind, MPI.Exception):
+            raise self.comm._mpi_error(self.op, exc) from None
+        return False
 
 
 _WORLD: Comm | None = None

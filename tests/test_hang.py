@@ -103,6 +103,32 @@ def test_recorder_file_is_read_by_the_agent(tmp_path, monkeypatch):
     c.free()
 
 
+def test_recorder_names_a_non_blocking_op_like_its_blocking_twin(tmp_path, monkeypatch):
+    """Each pair shares one set-up, so both forms leave the same entry (under the blocking name)."""
+    monkeypatch.setenv("DTRUN_JOB_DIR", str(tmp_path))
+    import numpy as np
+    from collectives import comm as comm_mod, recorder
+
+    monkeypatch.setattr(comm_mod, "_REC_TAKEN", [False])
+    c = comm_mod.Comm()
+    x = np.ones(4, np.float32)
+    pairs = [(lambda: c.allreduce(x), lambda: c.iallreduce(x).wait()),
+             (lambda: c.reduce(x, root=0), lambda: c.ireduce(x, root=0).wait()),
+             (lambda: c.broadcast(x, root=0), lambda: c.ibroadcast(x, root=0).wait()),
+             (lambda: c.allgather(x), lambda: c.iallgather(x).wait()),
+             (lambda: c.reduce_scatter(x), lambda: c.ireduce_scatter(x).wait()),
+             (lambda: c.alltoall(x), lambda: c.ialltoall(x).wait())]
+    for blocking, nonblocking in pairs:
+        blocking()
+        nonblocking()
+    entries = recorder.decode(open(recorder.path_for(str(tmp_path), c.rank), "rb").read())["entries"]
+    got = [(e["op"], e["dtype"], e["count"], e["root"]) for e in entries[-2 * len(pairs):]]
+    assert got[0::2] == got[1::2]
+    assert [op for op, *_ in got[0::2]] == ["allreduce", "reduce", "broadcast", "allgather", "reduce_scatter",
+                                            "alltoall"]
+    c.free()
+
+
 def test_faulthandler_boot_dumps_a_blocked_program(tmp_path):
     """The rank wrapper's boot code arms faulthandler; the agent's signal gets every thread's stack."""
     sys.path.insert(0, str(REPO / "launcher"))
