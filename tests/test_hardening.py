@@ -16,16 +16,7 @@ import pytest
 
 from checks import keyscan, ssh
 from checks.errors import HostKeyChanged, HostKeyRevoked, HostKeyUnknown
-from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, user_env
-
-
-def one_line_error(proc, *needles):
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dtrun: error: "), proc.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
+from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, one_line_error, user_env
 
 
 @pytest.fixture
