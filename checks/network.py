@@ -1,7 +1,7 @@
 """Interfaces of every host, and which subnet MPI, its runtime and NCCL should use.
 
 Pure: ``parse_ip_json`` / ``parse_sysfs`` turn what the probe found into
-``Interface`` values, and ``recommend`` finds the subnet that every host (and the
+``Interface`` values (the interface model lives in ``launcher/interfaces.py``), and ``recommend`` finds the subnet that every host (and the
 launching host, where mpirun runs) has an address on, that is not a virtual bridge
 and whose addresses are all different — docker0 carries 172.17.0.1 on every host
 and hangs Open MPI's TCP transport (docs/cluster-testing.md). Naming the subnet
@@ -10,50 +10,16 @@ to include is more reliable with Open MPI 5 than naming what to exclude.
 from __future__ import annotations
 
 import ipaddress
-import json
-import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from checks.result import FAIL, OK, WARN, Finding
+from launcher.interfaces import VIRTUAL, Interface, local_interfaces, parse_ip_json
 
 CHECK = "network"
-# Interfaces container and VM tools create; their addresses do not lead to other hosts.
-VIRTUAL = re.compile(r"^(docker\d*|virbr\d*|veth.*|br-.*|cni\d*|flannel.*|cali.*|vxlan.*|lxcbr\d*|lxdbr\d*|podman\d*)$")
-
-
-@dataclass(frozen=True)
-class Interface:
-    name: str
-    up: bool
-    mtu: Optional[int]
-    addrs: tuple[str, ...] = ()  # IPv4 "addr/prefixlen"
-
-    @property
-    def networks(self) -> list[ipaddress.IPv4Interface]:
-        return [ipaddress.IPv4Interface(a) for a in self.addrs]
-
-    @property
-    def virtual(self) -> bool:
-        return bool(VIRTUAL.match(self.name))
-
-    @property
-    def loopback(self) -> bool:
-        return self.name == "lo" or all(n.ip.is_loopback for n in self.networks) and bool(self.addrs)
-
-
-def parse_ip_json(text: str) -> list[Interface]:
-    """``ip -j addr`` output → interfaces (IPv4 addresses only: MPI's TCP transports use those)."""
-    out = []
-    for item in json.loads(text or "[]"):
-        flags = item.get("flags", [])
-        state = item.get("operstate", "UNKNOWN")
-        up = "UP" in flags and state != "DOWN" and ("LOWER_UP" in flags or state in ("UP", "UNKNOWN"))
-        addrs = tuple(f"{a['local']}/{a['prefixlen']}" for a in item.get("addr_info", [])
-                      if a.get("family") == "inet" and "local" in a)
-        out.append(Interface(item.get("ifname", "?"), up, item.get("mtu"), addrs))
-    return out
+__all__ = ["CHECK", "Interface", "LAUNCHER", "Recommendation", "VIRTUAL", "interfaces_of", "local_interfaces",
+           "network_findings", "openmpi_include_args", "parse_ip_json", "parse_sysfs", "recommend"]
 
 
 def parse_sysfs(items: Sequence[Mapping]) -> list[Interface]:
@@ -72,22 +38,6 @@ def parse_sysfs(items: Sequence[Mapping]) -> list[Interface]:
         mtu = int(it["mtu"]) if str(it.get("mtu") or "").isdigit() else None
         out.append(Interface(it["ifname"], up, mtu, addrs))
     return out
-
-
-def local_interfaces():
-    """This host's interfaces, as the probe would report them."""
-    import subprocess
-
-    from checks.remote_probe import sysfs_interfaces
-
-    try:
-        out = subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True, timeout=5,
-                             stdin=subprocess.DEVNULL)
-        if out.returncode == 0:
-            return parse_ip_json(out.stdout)
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return parse_sysfs(sysfs_interfaces())
 
 
 def interfaces_of(report: Mapping) -> list[Interface]:

@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -155,28 +155,23 @@ def reachable(hosts, ssh_config: Optional[str], timeout: float = TIMEOUT_S) -> t
 
     config = ssh.load_ssh_config(ssh_config)
     targets = [ssh.ssh_target(h, config, ssh_config) for h in hosts if not is_local(h.host)]
-    answers = ssh.fan_out(targets, lambda t: _ssh_banner(t, timeout))
-    return tuple(from_error("ssh", a) for a in answers.values() if isinstance(a, CheckError))
+    return tuple(ssh.fan_out(targets, lambda t: _ssh_banner(t, timeout)).findings("ssh"))
 
 
-def apply(opts, result: PreflightResult, environ: Mapping[str, str]):
-    """``opts`` with the recommended interfaces, unless the user chose interfaces already.
+def choice_of(result: PreflightResult):
+    """The interface choice a passing result makes (``launcher.netinfo.InterfaceChoice``), or None."""
+    from launcher.netinfo import InterfaceChoice
 
-    The choice carries its source, so --dry-run and --verbose name the preflight, not an option.
-    """
-    if result.include and not opts.include_iface and not opts.exclude_iface:
-        opts = replace(opts, include_iface=result.include,
-                       iface_reason=f"subnet {result.include} shared by all hosts, found by the preflight")
-    user_nccl = "NCCL_SOCKET_IFNAME" in environ or any(e.split("=", 1)[0] == "NCCL_SOCKET_IFNAME" for e in opts.env)
-    if result.nccl and not user_nccl and not opts.exclude_iface and opts.include_iface == result.include:
-        opts = replace(opts, nccl_socket_ifname=result.nccl)
-    if result.host_ifaces:
-        opts = replace(opts, host_ifaces=result.host_ifaces)
-    return opts
+    if not result.include and not result.host_ifaces:
+        return None
+    reason = f"subnet {result.include} shared by all hosts, found by the preflight" if result.include else ""
+    return InterfaceChoice(result.include, result.nccl, reason, result.host_ifaces)
 
 
 def preflight(opts, selection, flavor, environ: Optional[Mapping[str, str]] = None):
-    """Check the hosts of a launch (cached) and return ``opts`` with the interface choice applied.
+    """Check the hosts of a launch (cached); return the interface choice (``InterfaceChoice``) or None.
+
+    The caller applies the choice (``launch.make_spec``); the options are left as they are.
 
     Raises:
         PreflightError: a host cannot be reached over ssh without a prompt (the finding is printed).
@@ -203,4 +198,4 @@ def preflight(opts, selection, flavor, environ: Optional[Mapping[str, str]] = No
             f"preflight: {n} host{'s' if n != 1 else ''} cannot be reached over ssh without a prompt, so mpirun "
             f"would hang or fail; `dtrun doctor` with the same host options runs the full checklist, "
             f"--no-preflight launches anyway")
-    return apply(opts, result, environ)
+    return choice_of(result)

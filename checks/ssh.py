@@ -97,20 +97,15 @@ def default_ssh_config() -> Optional[str]:
 
 
 def ssh_config_path(given: Optional[str], from_cluster_file: Optional[str] = None, environ=None) -> Optional[str]:
-    """--ssh-config, else $DTRUN_SSH_CONFIG, else the cluster file's ssh_config, else ~/.ssh/config.
+    """The launch's rule (``launcher.sshconf.base_ssh_config``), else ~/.ssh/config.
 
     Raises:
-        UsageError: the file named does not exist.
+        UsageError: an empty --ssh-config, or the file named does not exist.
     """
-    from launcher.errors import UsageError
+    from launcher.sshconf import base_ssh_config
 
-    environ = os.environ if environ is None else environ
-    if given is not None and not given.strip():
-        raise UsageError("--ssh-config: empty value")
-    path = given or environ.get("DTRUN_SSH_CONFIG") or from_cluster_file
-    if path and not os.path.isfile(path):
-        raise UsageError(f"ssh config {path}: no such file")
-    return path or default_ssh_config()
+    return base_ssh_config(given, from_cluster_file, os.environ if environ is None else environ) \
+        or default_ssh_config()
 
 
 def load_ssh_config(path: Optional[str]):

@@ -89,7 +89,11 @@ def run(
         timeout=timeout, start_timeout=start_timeout,
         pin_gpus=pin_gpus,
     )
-    raise typer.Exit(launch(opts))
+    # The CLI is the one place that joins the launcher and the checks: the preflight returns
+    # an interface choice that the launch applies (launcher/ itself never imports checks/).
+    from checks.preflight import preflight
+
+    raise typer.Exit(launch(opts, preflight))
 
 
 def _mca_pair(item: str) -> tuple[str, str]:

@@ -7,14 +7,15 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from launcher import command as cmd
 from launcher import safe
 from launcher.errors import ExitCode, UsageError
 from launcher.flavors import Flavor, detect_flavor, find_mpirun
 from launcher.hosts import HostSelection, all_local, is_local, resolve_hosts, resolve_np
-from launcher.sshconf import job_ssh_files
+from launcher.netinfo import InterfaceChoice, SharedSubnet, local_address_on
+from launcher.sshconf import base_ssh_config, job_ssh_files
 
 RANKEXEC = str(Path(__file__).with_name("rankexec.py"))
 # Every rank's wrapper must have started by then (ssh, daemons and the wrapper's own start),
@@ -31,6 +32,8 @@ def check_seconds(value: Optional[float], flag: str) -> Optional[float]:
     if not math.isfinite(value) or value < 0:
         raise UsageError(f"{flag} {value}: give a number of seconds above 0 (0 turns the limit off)")
     return value or None
+# The preflight the CLI hands to ``launch``: (options, hosts, flavor, environ) -> choice or None.
+Preflight = Callable[..., Optional[InterfaceChoice]]
 
 
 @dataclass(frozen=True)
@@ -61,16 +64,12 @@ class LaunchOptions:
     pin_gpus: bool = False  # CUDA_VISIBLE_DEVICES per local rank, set by the rank wrapper
     preflight: bool = True  # check ssh and choose interfaces before a multi-host launch (checks/preflight.py)
     verbose: bool = False  # print the decisions (the --dry-run text) on stderr before launching
-    # Set by the preflight, never from the command line: the interface choice and where it came from.
-    iface_reason: Optional[str] = None
-    nccl_socket_ifname: Optional[str] = None
     run_id: Optional[str] = None  # --log-dir: this run's subdirectory (default: time and pid)
     hang_timeout: Optional[float] = None  # report (or abort) after this many seconds without progress
     job_dir: Optional[str] = None  # set by launch(), never from the command line
     on_hang: str = "report"
     timeout: Optional[float] = None  # seconds the whole job may run
     start_timeout: Optional[float] = DEFAULT_START_TIMEOUT_S  # seconds until every rank has started
-    host_ifaces: tuple = ()  # (host, ((iface, addr/prefix), ...)) from the preflight
 
 
 def warn(msg: str) -> None:
@@ -131,9 +130,66 @@ def new_run_id(now: Optional[float] = None, pid: Optional[int] = None) -> str:
     return f"{stamp}-{os.getpid() if pid is None else pid}"
 
 
-def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
-              environ: Mapping[str, str]) -> cmd.LaunchSpec:
-    """Settle every choice the command line depends on (pure: files to write are in ``ssh_files``)."""
+@dataclass(frozen=True)
+class LocalFacts:
+    """What ``make_spec`` needs from this machine's network, gathered by ``prepare`` (DNS, ``ip``)."""
+
+    shared: Optional[SharedSubnet] = None  # the subnet that reaches every host, guessed on this machine
+    addresses: tuple[tuple[str, str], ...] = ()  # (interface, IPv4 address) of this machine, up, not loopback
+
+
+def wants_local_inference(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
+                          choice: Optional[InterfaceChoice], environ: Mapping[str, str]) -> bool:
+    """Whether the subnet must be guessed on this machine (DNS and local interfaces): several
+    hosts and no subnet named by the user or the preflight. Open MPI then includes the guess;
+    Hydra needs this host's address on it (-localhost)."""
+    if all_local(selection.hosts):
+        return False
+    include = _interfaces(opts, flavor, environ, False, choice, None)[0]
+    if flavor.is_openmpi:
+        return not include and not opts.exclude_iface
+    return not any("/" in i for i in include)
+
+
+def _user_sets_nccl_ifname(opts: LaunchOptions, environ: Mapping[str, str]) -> bool:
+    return "NCCL_SOCKET_IFNAME" in environ or any(e.split("=", 1)[0] == "NCCL_SOCKET_IFNAME" for e in opts.env)
+
+
+def _interfaces(opts: LaunchOptions, flavor: Flavor, environ: Mapping[str, str], local_only: bool,
+                choice: Optional[InterfaceChoice], shared: Optional[SharedSubnet]):
+    """(include, exclude, reason, NCCL_SOCKET_IFNAME) from the user's flags, else the preflight's
+    choice, else the subnet inferred on this machine, else dtrun's default exclusions."""
+    if opts.include_iface and opts.exclude_iface:
+        raise UsageError("--include-iface and --exclude-iface cannot be used together (Open MPI rejects both at once)")
+    nccl = None
+    if choice is not None and choice.include and choice.nccl and not opts.exclude_iface \
+            and not _user_sets_nccl_ifname(opts, environ) and (opts.include_iface or choice.include) == choice.include:
+        nccl = choice.nccl
+    if opts.include_iface:
+        return _split_ifaces(opts.include_iface, "--include-iface"), cmd.DEFAULT_EXCLUDE, "--include-iface", nccl
+    if opts.exclude_iface:
+        exclude, reason = exclusions(_split_ifaces(opts.exclude_iface, "--exclude-iface"))
+        return (), exclude, reason, None
+    if choice is not None and choice.include:
+        return _split_ifaces(choice.include, "the preflight's subnet"), cmd.DEFAULT_EXCLUDE, choice.reason, nccl
+    if shared is not None and not local_only and flavor.is_openmpi:
+        return ((shared.cidr,), cmd.DEFAULT_EXCLUDE,
+                f"the subnet of {shared.iface} routes to every host, inferred on this machine (no preflight)", None)
+    return (), cmd.DEFAULT_EXCLUDE, "default", None
+
+
+def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, environ: Mapping[str, str],
+              choice: Optional[InterfaceChoice] = None, local: LocalFacts = LocalFacts()) -> cmd.LaunchSpec:
+    """Settle every choice the command line depends on. Pure: no DNS, no ``ip``, no file written.
+
+    Args:
+        choice: the preflight's interface choice, applied unless the user chose interfaces.
+        local: this machine's network (``prepare`` gathers it): the subnet guessed here,
+            used when nobody chose one (``wants_local_inference``), and its addresses.
+
+    The ssh files a launch needs are described in the spec (``ssh_files``); ``launch``
+    writes them.
+    """
     if not opts.program:
         raise UsageError("no program given: dtrun [OPTIONS] PROGRAM [ARGS...]")
     np = resolve_np(opts.np, selection, opts.oversubscribe)
@@ -148,40 +204,16 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
     for flag, value in (("--log-dir", opts.log_dir), ("--nccl-debug", opts.nccl_debug)):
         if value is not None:
             safe.plain_text(value, flag)
-    include, exclude, reason = (), cmd.DEFAULT_EXCLUDE, "default"
-    if opts.include_iface and opts.exclude_iface:
-        raise UsageError("--include-iface and --exclude-iface cannot be used together (Open MPI rejects both at once)")
-    if opts.include_iface:
-        include = _split_ifaces(opts.include_iface, "--include-iface")
-        reason = opts.iface_reason or "--include-iface"
+    include, exclude, reason, nccl = _interfaces(opts, flavor, environ, local_only, choice, local.shared)
+    if opts.include_iface or opts.exclude_iface:
         local_only = False
-    elif opts.exclude_iface:
-        exclude, reason = exclusions(_split_ifaces(opts.exclude_iface, "--exclude-iface"))
-        local_only = False
-    elif not local_only and flavor.is_openmpi:
-        from launcher.netinfo import DRY_RUN_RESOLVE_S, RESOLVE_TIMEOUT_S, infer_shared_subnet
-
-        shared = infer_shared_subnet([h.host for h in selection.hosts if not is_local(h.host)],
-                                     DRY_RUN_RESOLVE_S if opts.dry_run else RESOLVE_TIMEOUT_S)
-        if shared is not None:
-            include, reason = (shared.cidr,), (f"the subnet of {shared.iface} routes to every host, "
-                                               "inferred on this machine (no preflight)")
-    if opts.ssh_config is not None and not opts.ssh_config.strip():
-        raise UsageError("--ssh-config: empty value")
     launcher_addr = None
     if not flavor.is_openmpi and not all_local(selection.hosts):
-        from launcher.netinfo import DRY_RUN_RESOLVE_S, RESOLVE_TIMEOUT_S, infer_shared_subnet, local_address_on
-
-        cidr = next((i for i in include if "/" in i), None)
-        if cidr is None:
-            shared = infer_shared_subnet([h.host for h in selection.hosts if not is_local(h.host)],
-                                         DRY_RUN_RESOLVE_S if opts.dry_run else RESOLVE_TIMEOUT_S)
-            cidr = shared.cidr if shared else None
-        launcher_addr = local_address_on(cidr) if cidr else None
-    base_ssh = opts.ssh_config or environ.get("DTRUN_SSH_CONFIG") or selection.ssh_config
-    if base_ssh and not os.path.isfile(base_ssh):
-        raise UsageError(f"ssh config {base_ssh}: no such file")
-    ssh_files = job_ssh_files(selection, base_ssh, flavor.is_openmpi)
+        # Hydra's -localhost: this host's address on the subnet named, else on the one guessed here.
+        cidr = next((i for i in include if "/" in i), None) or (local.shared.cidr if local.shared else None)
+        launcher_addr = local_address_on(cidr, local.addresses) if cidr else None
+    ssh_files = job_ssh_files(selection, base_ssh_config(opts.ssh_config, selection.ssh_config, environ),
+                              flavor.is_openmpi)
     tag = opts.tag_output if opts.tag_output is not None else (len(selection.hosts) > 1 and not local_only)
     wrapper = (sys.executable, "-S", RANKEXEC, "--") if opts.rank_wrapper else ()
     from launcher.rendezvous import choose
@@ -205,14 +237,14 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
         log_dir=os.path.join(os.path.abspath(opts.log_dir), opts.run_id or new_run_id()) if opts.log_dir else None,
         job_dir=opts.job_dir,
         nccl_debug=opts.nccl_debug,
-        nccl_socket_ifname=opts.nccl_socket_ifname if include else None,
+        nccl_socket_ifname=nccl if include else None,
         no_tree_spawn=opts.no_tree_spawn,
         ssh_config=ssh_files.config,
         ssh_wrapper=ssh_files.wrapper,
         ssh_files=ssh_files.files,
         as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
         rank_wrapper=wrapper,
-        host_ifaces=tuple(opts.host_ifaces),
+        host_ifaces=choice.host_ifaces if choice is not None else (),
         launcher_addr=launcher_addr,
         master_addr=master_addr,
         master_port=master_port,
@@ -220,22 +252,38 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
     )
 
 
-def prepare(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None):
+def local_facts(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
+                choice: Optional[InterfaceChoice], environ: Mapping[str, str]) -> LocalFacts:
+    """The I/O ``make_spec`` must not do: resolve the hosts and read this machine's interfaces,
+    only where the launch needs them (DNS bounded by a timeout, shorter for a dry run)."""
+    from launcher.netinfo import DRY_RUN_RESOLVE_S, RESOLVE_TIMEOUT_S, infer_shared_subnet, local_addresses
+
+    if all_local(selection.hosts):
+        return LocalFacts()
+    shared = None
+    if wants_local_inference(opts, flavor, selection, choice, environ):
+        shared = infer_shared_subnet([h.host for h in selection.hosts if not is_local(h.host)],
+                                     DRY_RUN_RESOLVE_S if opts.dry_run else RESOLVE_TIMEOUT_S)
+    return LocalFacts(shared, () if flavor.is_openmpi else tuple(local_addresses()))
+
+
+def prepare(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None, preflight: Optional[Preflight] = None):
     """Resolve hosts and flavor, run the preflight, build the spec and the argument groups.
 
-    A dry run goes through the same steps (the preflight included), so it prints the
-    command a real launch of the same arguments would run.
+    ``preflight`` (given by the CLI: ``checks.preflight.preflight``) checks the hosts of a
+    multi-host launch and returns an ``InterfaceChoice`` or None; it raises when a host
+    would hang the job. A dry run goes through the same steps, so it prints the command a
+    real launch of the same arguments would run.
     """
     environ = os.environ if environ is None else environ
     selection = resolve_hosts(opts.host_list, opts.hostfile, opts.cluster, opts.include, opts.exclude, environ)
     for w in selection.warnings:
         warn(w)
     flavor = detect_flavor(find_mpirun(opts.mpirun, environ), write_cache=not opts.dry_run)
-    if opts.preflight and not all_local(selection.hosts):
-        from checks.preflight import preflight
-
-        opts = preflight(opts, selection, flavor, environ)  # raises PreflightError on a known hang
-    spec = make_spec(opts, flavor, selection, environ)
+    choice = None
+    if preflight is not None and opts.preflight and not all_local(selection.hosts):
+        choice = preflight(opts, selection, flavor, environ)  # raises PreflightError on a known hang
+    spec = make_spec(opts, flavor, selection, environ, choice, local_facts(opts, flavor, selection, choice, environ))
     if len(selection.hosts) >= cmd.TREE_SPAWN_HOSTS and not spec.no_tree_spawn and flavor.is_openmpi:
         warn(f"{len(selection.hosts)} hosts: Open MPI spawns daemons through a tree, so inner hosts must ssh to "
              "others; pass --no-tree-spawn if only this host has ssh access to all")
@@ -268,8 +316,8 @@ def start_log_dir(log_dir: str) -> None:
         pass  # a file system without symlinks: the run's own directory is still there
 
 
-def launch(opts: LaunchOptions) -> int:
-    """Run (or with --dry-run, print) the job; return dtrun's exit code."""
+def launch(opts: LaunchOptions, preflight: Optional[Preflight] = None) -> int:
+    """Run (or with --dry-run, print) the job; return dtrun's exit code (``preflight``: see ``prepare``)."""
     from launcher.hangwatch import ON_HANG
 
     if opts.hang_timeout is not None and not opts.hang_timeout > 0:
@@ -279,20 +327,20 @@ def launch(opts: LaunchOptions) -> int:
     check_seconds(opts.timeout, "--timeout")
     check_seconds(opts.start_timeout, "--start-timeout")
     if opts.dry_run or not opts.rank_wrapper:
-        return _launch(opts, None)
+        return _launch(opts, None, preflight)
     from dataclasses import replace
 
     from launcher import jobstate
 
     job_dir = jobstate.new_dir()  # where ranks leave state for `dtrun stacks` (launcher/rankstate.py)
     try:
-        return _launch(replace(opts, job_dir=job_dir), job_dir)
+        return _launch(replace(opts, job_dir=job_dir), job_dir, preflight)
     finally:
         jobstate.remove(job_dir)
 
 
-def _launch(opts: LaunchOptions, job_dir: Optional[str]) -> int:
-    selection, flavor, spec, groups = prepare(opts)
+def _launch(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Preflight]) -> int:
+    selection, flavor, spec, groups = prepare(opts, preflight=preflight)
     notes = cmd.flavor_notes(spec, flavor)
     if opts.dry_run:
         print(describe(opts, selection, flavor, spec, groups, notes))

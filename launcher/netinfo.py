@@ -19,6 +19,20 @@ DRY_RUN_RESOLVE_S = 0.3  # --dry-run shows the command without waiting on a slow
 
 
 @dataclass(frozen=True)
+class InterfaceChoice:
+    """The subnet a launch should use, and why: what the preflight found on the hosts.
+
+    The preflight (``checks/preflight.py``) returns one; ``launch.make_spec`` applies it
+    unless the user chose interfaces themselves.
+    """
+
+    include: Optional[str]  # CIDR for MPI's TCP transport and its runtime (None: no subnet shared by all)
+    nccl: Optional[str]  # NCCL_SOCKET_IFNAME value
+    reason: str  # where it came from, for --dry-run and --verbose
+    host_ifaces: tuple = ()  # (host, ((iface, addr/prefix), ...)) as each remote host reported them
+
+
+@dataclass(frozen=True)
 class SharedSubnet:
     iface: str  # the launching host's interface on it
     cidr: str  # e.g. "10.0.0.0/24"
@@ -45,7 +59,6 @@ def resolve_all(hosts: Sequence[str], timeout: float = RESOLVE_TIMEOUT_S, worker
     """
     import queue
     import threading
-    import time
 
     results: dict[str, Optional[str]] = {}
     todo: "queue.SimpleQueue[str]" = queue.SimpleQueue()
@@ -80,22 +93,25 @@ def local_networks() -> list[tuple[str, ipaddress.IPv4Network]]:
 
     Read the way doctor and the preflight read interfaces (``ip -j addr``, else sysfs).
     """
-    from checks.network import local_interfaces
+    from launcher.interfaces import local_interfaces
 
     return [(i.name, n.network) for i in local_interfaces() if i.up and not i.loopback
             for n in i.networks if not n.ip.is_loopback]
 
 
-def local_address_on(cidr: str, addresses=None) -> Optional[str]:
-    """This machine's IPv4 address inside ``cidr`` (pure given ``addresses``: (iface, address) pairs)."""
+def local_addresses() -> list[tuple[str, str]]:
+    """(interface, IPv4 address) of every interface of this machine that is up, except loopback."""
+    from launcher.interfaces import local_interfaces
+
+    return [(i.name, str(n.ip)) for i in local_interfaces() if i.up and not i.loopback for n in i.networks]
+
+
+def local_address_on(cidr: str, addresses) -> Optional[str]:
+    """This machine's IPv4 address inside ``cidr`` (pure: ``addresses`` from ``local_addresses``)."""
     try:
         net = ipaddress.ip_network(cidr, strict=False)
     except ValueError:
         return None
-    if addresses is None:
-        from checks.network import local_interfaces
-
-        addresses = [(i.name, str(n.ip)) for i in local_interfaces() if i.up and not i.loopback for n in i.networks]
     for _, addr in addresses:
         ip = ipaddress.ip_address(addr)
         if ip in net and not ip.is_loopback:

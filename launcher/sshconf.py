@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from launcher import safe
-from launcher.errors import InvalidValue, LaunchError
+from launcher.errors import InvalidValue, LaunchError, UsageError
 from launcher.paths import atomic_write, cache_dir
 
 
@@ -52,6 +52,23 @@ class SshFiles:
     def write(self) -> None:
         for f in self.files:
             f.write()
+
+
+def base_ssh_config(given: Optional[str], from_cluster_file: Optional[str], environ) -> Optional[str]:
+    """The user's ssh config: --ssh-config, else $DTRUN_SSH_CONFIG, else the cluster file's.
+
+    The one precedence rule for the launch, doctor, keyscan and the preflight. None means
+    none was named (ssh then reads ~/.ssh/config itself).
+
+    Raises:
+        UsageError: an empty --ssh-config, or the file named does not exist.
+    """
+    if given is not None and not given.strip():
+        raise UsageError("--ssh-config: empty value")
+    path = given or environ.get("DTRUN_SSH_CONFIG") or from_cluster_file
+    if path and not os.path.isfile(path):
+        raise UsageError(f"ssh config {path}: no such file")
+    return path or None
 
 
 def files_dir() -> Path:

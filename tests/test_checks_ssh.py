@@ -13,7 +13,6 @@ import pytest
 from checks import keyscan, preflight, probe, ssh
 from checks.errors import CheckTimeout, HostKeyChanged, HostKeyUnknown
 from launcher.hostfile import HostSlots
-from launcher.launch import LaunchOptions
 
 CONFIG = """
 Host h1
@@ -127,16 +126,11 @@ def test_local_probe_reports_and_connects():
     assert p.proc.returncode == 0
 
 
-def test_preflight_apply_respects_the_users_choice():
-    res = preflight.PreflightResult((), "10.0.0.0/24", "=eth0")
-    base = LaunchOptions(program=("x",))
-    got = preflight.apply(base, res, {})
-    assert got.include_iface == "10.0.0.0/24" and got.nccl_socket_ifname == "=eth0" and got.env == ()
-    assert got.iface_reason == "subnet 10.0.0.0/24 shared by all hosts, found by the preflight"
-    mine = preflight.apply(LaunchOptions(program=("x",), exclude_iface="lo,docker0"), res, {})
-    assert mine.include_iface is None and mine.nccl_socket_ifname is None and mine.iface_reason is None
-    nccl = preflight.apply(base, res, {"NCCL_SOCKET_IFNAME": "ib0"})
-    assert nccl.include_iface == "10.0.0.0/24" and nccl.nccl_socket_ifname is None
+def test_preflight_result_is_a_choice_and_leaves_the_options_alone():
+    assert preflight.choice_of(preflight.PreflightResult((), None, None)) is None
+    choice = preflight.choice_of(preflight.PreflightResult((), "10.0.0.0/24", "=eth0"))
+    assert (choice.include, choice.nccl) == ("10.0.0.0/24", "=eth0")
+    assert choice.reason == "subnet 10.0.0.0/24 shared by all hosts, found by the preflight"
 
 
 def test_preflight_cache_expires(tmp_path, monkeypatch):

@@ -423,3 +423,55 @@ def test_users_own_hydra_iface_in_mpi_args_is_not_doubled():
              mpi_args=("-iface", "ib0", "-localhost", "10.2.0.1"))
     args = build_command(s, HYDRA)
     assert args.count("-iface") == 1 and args.count("-localhost") == 1
+
+
+def _multi_host_spec(choice=None, shared=None, environ=None, **opts):
+    from launcher.hosts import HostSelection
+    from launcher.launch import LaunchOptions, make_spec
+    selection = HostSelection(tuple(parse_host_list("node-a.invalid:2,node-b.invalid:2")), "-H")
+    return make_spec(LaunchOptions(program=("true",), **opts), OMPI5, selection, environ or {}, choice, shared)
+
+
+def test_make_spec_applies_the_preflight_choice_unless_the_user_chose():
+    from launcher.netinfo import InterfaceChoice
+    choice = InterfaceChoice("10.0.0.0/24", "=eth0", "subnet 10.0.0.0/24 shared by all hosts, found by the preflight")
+    s = _multi_host_spec(choice)
+    assert s.include_iface == ("10.0.0.0/24",) and s.nccl_socket_ifname == "=eth0"
+    assert s.iface_reason == "subnet 10.0.0.0/24 shared by all hosts, found by the preflight"
+    mine = _multi_host_spec(choice, exclude_iface="eth9")
+    assert mine.include_iface == () and mine.nccl_socket_ifname is None and "eth9 from --exclude-iface" in mine.iface_reason
+    same = _multi_host_spec(choice, include_iface="10.0.0.0/24")  # the user's own flag, the same subnet
+    assert same.iface_reason == "--include-iface" and same.nccl_socket_ifname == "=eth0"
+    other = _multi_host_spec(choice, include_iface="ib0")
+    assert other.include_iface == ("ib0",) and other.nccl_socket_ifname is None
+    nccl = _multi_host_spec(choice, environ={"NCCL_SOCKET_IFNAME": "ib0"})
+    assert nccl.include_iface == ("10.0.0.0/24",) and nccl.nccl_socket_ifname is None
+    from launcher.netinfo import SharedSubnet
+    guessed = _multi_host_spec(None, SharedSubnet("eth1", "10.9.0.0/16"))
+    assert guessed.include_iface == ("10.9.0.0/16",) and "inferred on this machine" in guessed.iface_reason
+    assert _multi_host_spec(choice, SharedSubnet("eth1", "10.9.0.0/16")).include_iface == ("10.0.0.0/24",)
+
+
+def test_make_spec_is_pure_no_dns_no_ip_no_files(monkeypatch, tmp_path):
+    """Hosts that do not resolve, a cluster file's per-host ssh settings, and every way out of
+    the process closed: the spec is still built, and nothing was written."""
+    import socket
+    import subprocess
+
+    from launcher.hostfile import HostSlots
+    from launcher.hosts import HostSelection
+    from launcher.launch import LaunchOptions, make_spec
+
+    def refuse(*a, **k):
+        raise AssertionError(f"make_spec reached outside the process: {a[:1]}")
+
+    for mod, name in ((socket, "getaddrinfo"), (socket, "gethostbyname"), (subprocess, "run"),
+                      (subprocess, "Popen"), (os, "replace"), (os, "mkdir")):
+        monkeypatch.setattr(mod, name, refuse)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    hosts = (HostSlots("node-a.invalid", 2, user="ops", port=2222), HostSlots("node-b.invalid", 2))
+    spec = make_spec(LaunchOptions(program=("true",)), OMPI5, HostSelection(hosts, "cluster.yaml"), {})
+    assert spec.include_iface == () and spec.iface_reason == "default"
+    assert spec.ssh_files and spec.ssh_config == spec.ssh_files[0].path
+    assert "Port 2222" in spec.ssh_files[0].text
+    assert list(tmp_path.iterdir()) == []  # described, not written
