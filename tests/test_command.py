@@ -427,9 +427,10 @@ def test_users_own_hydra_iface_in_mpi_args_is_not_doubled():
 
 def _multi_host_spec(choice=None, shared=None, environ=None, **opts):
     from launcher.hosts import HostSelection
-    from launcher.launch import LaunchOptions, make_spec
+    from launcher.launch import LaunchOptions, LocalFacts, make_spec
     selection = HostSelection(tuple(parse_host_list("node-a.invalid:2,node-b.invalid:2")), "-H")
-    return make_spec(LaunchOptions(program=("true",), **opts), OMPI5, selection, environ or {}, choice, shared)
+    return make_spec(LaunchOptions(program=("true",), **opts), OMPI5, selection, environ or {}, choice,
+                     LocalFacts(shared))
 
 
 def test_make_spec_applies_the_preflight_choice_unless_the_user_chose():
