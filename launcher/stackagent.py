@@ -94,7 +94,8 @@ def source_line(path, line):
     return ""
 
 
-def read_recorder(job_dir, rank):
+def _recorder_words(job_dir, rank):
+    """A rank's recorder file as int64 words, or None when it is missing or not a recorder."""
     import array
     try:
         with open(os.path.join(job_dir, f"rank.{rank}.rec"), "rb") as f:
@@ -102,15 +103,18 @@ def read_recorder(job_dir, rank):
     except OSError:
         return None
     words = array.array("q")
-    try:
-        words.frombytes(raw[: len(raw) - len(raw) % 8])
-    except ValueError:
-        return None
+    words.frombytes(raw[: len(raw) - len(raw) % 8])
     if len(words) < REC_HEADER or words[0] != REC_MAGIC:
         return None
-    ring = words[4]
+    return words
+
+
+def read_recorder(job_dir, rank):
+    words = _recorder_words(job_dir, rank)
+    if words is None:
+        return None
     entries = []
-    for i in range(ring):
+    for i in range(words[4]):
         j = REC_HEADER + 2 * i
         if j + 1 >= len(words):
             break
@@ -127,17 +131,8 @@ def read_recorder(job_dir, rank):
 
 def recorder_seq(job_dir, rank):
     """The newest sequence number in a rank's recorder, reading only the ring (cheap)."""
-    import array
-    try:
-        with open(os.path.join(job_dir, f"rank.{rank}.rec"), "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    words = array.array("q")
-    words.frombytes(raw[: len(raw) - len(raw) % 8])
-    if len(words) < REC_HEADER or words[0] != REC_MAGIC:
-        return None
-    return max(words[REC_HEADER::2], default=0)
+    words = _recorder_words(job_dir, rank)
+    return None if words is None else max(words[REC_HEADER::2], default=0)
 
 
 def _pyspy():

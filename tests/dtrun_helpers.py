@@ -77,3 +77,32 @@ def wait_until_empty(find, timeout=5.0):
         time.sleep(0.2)
         left = find()
     return left
+
+
+def processes_with(token):
+    """Live processes of this machine whose command line contains ``token``."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(token in part for part in (proc.info["cmdline"] or [])):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def command_lines(match):
+    """(pid, command line) of every live process whose joined command line satisfies ``match``."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if match(cmd):
+            found.append((proc.pid, cmd))
+    return found

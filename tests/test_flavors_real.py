@@ -10,20 +10,17 @@ rank, host) under every flavor; Ctrl-C must leave nothing behind.
 """
 import os
 import re
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests import nscluster
 from tests.cluster_plugin import skip_if_unavailable
-from tests.dtrun_helpers import BIN, DTRUN, REPO, dtrun, user_env, wait_until_empty
+from tests.dtrun_helpers import BIN, DTRUN, REPO, dtrun, user_env, wait_until_empty, processes_with
 
 pytestmark = [pytest.mark.mpi, pytest.mark.flavor]
 
@@ -158,15 +155,6 @@ def test_python_exception_same_code_and_summary_under_every_flavor(flavor):
     assert "unreachable" not in p.stdout
 
 
-def _with(token):
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if any(token in part for part in (proc.info["cmdline"] or [])):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return found
 
 
 def test_ctrl_c_leaves_nothing_behind(flavor):
@@ -181,13 +169,13 @@ def test_ctrl_c_leaves_nothing_behind(flavor):
                 break
             up += line.startswith("up ")
         assert up == 2, proc.stderr.read() if proc.poll() is not None else "ranks did not start"
-        assert len([p for p in _with(str(flavor.binary)) if p.name() != "python3"]) >= 2
+        assert len([p for p in processes_with(str(flavor.binary)) if p.name() != "python3"]) >= 2
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 130
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert wait_until_empty(lambda: _with(str(flavor.binary))) == []
+    assert wait_until_empty(lambda: processes_with(str(flavor.binary))) == []
 
 
 # ---- three namespace hosts that all carry docker0 (one cluster shared by every flavor) ----------

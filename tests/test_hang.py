@@ -14,13 +14,12 @@ import sys
 import threading
 import time
 
-import psutil
 import pytest
 
 from launcher import stackagent
 from launcher.jobstate import JobInfo
 from launcher.stacks import HostAnswer, collect, format_ranks, roll_call
-from tests.dtrun_helpers import DTRUN, PYTHON, REPO, user_env, wait_until_empty
+from tests.dtrun_helpers import DTRUN, PYTHON, REPO, command_lines, user_env, wait_until_empty
 
 RUNTIME = str(REPO / "collectives" / "comm.py")
 
@@ -236,15 +235,7 @@ class Job:
 
 
 def _token_procs(token):
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            cmd = " ".join(p.info["cmdline"] or [])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if token in cmd and "pytest" not in cmd:
-            found.append((p.pid, cmd))
-    return found
+    return command_lines(lambda cmd: token in cmd and "pytest" not in cmd)
 
 
 RUNTIME_HANG = """import time

@@ -55,19 +55,37 @@ def test_mpich_hostfile_form():
     assert names_slots(parse_hostfile("node1:4\nnode2:2\n", "hf")) == [("node1", 4), ("node2", 2)]
 
 
-@pytest.mark.parametrize("text, line, message", [
-    ("node1 slots=4\nnode2 slots=0\n", 2, "slots must be a positive integer, got 0"),
-    ("node1 slots=x\n", 1, "slots must be a positive integer, got 'x'"),
-    ("node1 sockets=2\n", 1, "unknown key 'sockets'"),
-    ("node1 4\n", 1, "expected key=value after the host name, got '4'"),
-    ("\n\nno_de$ slots=1\n", 3, "invalid host name 'no_de$'"),
-    ("node1 slots=4 max_slots=2\n", 1, "max_slots=2 is less than slots=4"),
-    ("node1:2 slots=3\n", 1, "slots given twice"),
+def _parse_hostfile(text):
+    return parse_hostfile(text, "hosts.txt")
+
+
+def _parse_cluster(text):
+    return parse_cluster_yaml(text, "c.yaml")
+
+
+@pytest.mark.parametrize("parse, text, line, message", [
+    (_parse_hostfile, "node1 slots=4\nnode2 slots=0\n", 2, "slots must be a positive integer, got 0"),
+    (_parse_hostfile, "node1 slots=x\n", 1, "slots must be a positive integer, got 'x'"),
+    (_parse_hostfile, "node1 sockets=2\n", 1, "unknown key 'sockets'"),
+    (_parse_hostfile, "node1 4\n", 1, "expected key=value after the host name, got '4'"),
+    (_parse_hostfile, "\n\nno_de$ slots=1\n", 3, "invalid host name 'no_de$'"),
+    (_parse_hostfile, "node1 slots=4 max_slots=2\n", 1, "max_slots=2 is less than slots=4"),
+    (_parse_hostfile, "node1:2 slots=3\n", 1, "slots given twice"),
+    (_parse_cluster, "hosts:\n  - a\n  - {name: b, slots: 0}\n", 3, "slots must be a positive integer, got 0"),
+    (_parse_cluster, "hosts:\n  - {slots: 2}\n", 2, "host entry has no 'name:'"),
+    (_parse_cluster, "hosts:\n  - {name: b, port: 70000}\n", 2, "port must be 1-65535"),
+    (_parse_cluster, "hosts:\n  - {name: b, colour: red}\n", 2, "unknown key 'colour'"),
+    (_parse_cluster, "hosts: [a, b\n", None, "invalid YAML"),
+    (_parse_cluster, "nodes: [a]\n", 1, "unknown key 'nodes'"),
+    (_parse_cluster, "hosts: []\n", 1, "'hosts:' must be a non-empty list"),
+    (_parse_cluster, "hosts:\n  - 'a b'\n", 2, "invalid host name 'a b'"),
 ])
-def test_hostfile_errors_name_file_and_line(text, line, message):
+def test_host_file_errors_name_file_and_line(parse, text, line, message):
+    """Hostfiles and cluster files: the error starts with FILE:LINE (or FILE where no line applies)."""
+    source = "hosts.txt" if parse is _parse_hostfile else "c.yaml"
     with pytest.raises(HostfileError) as e:
-        parse_hostfile(text, "hosts.txt")
-    assert str(e.value).startswith(f"hosts.txt:{line}: ")
+        parse(text)
+    assert str(e.value).startswith(f"{source}:{line}: " if line else source)
     assert message in str(e.value)
 
 
@@ -92,22 +110,6 @@ def test_cluster_yaml_defaults_and_overrides():
     assert b.source == "c.yaml:5"
 
 
-@pytest.mark.parametrize("text, line, message", [
-    ("hosts:\n  - a\n  - {name: b, slots: 0}\n", 3, "slots must be a positive integer, got 0"),
-    ("hosts:\n  - {slots: 2}\n", 2, "host entry has no 'name:'"),
-    ("hosts:\n  - {name: b, port: 70000}\n", 2, "port must be 1-65535"),
-    ("hosts:\n  - {name: b, colour: red}\n", 2, "unknown key 'colour'"),
-    ("hosts: [a, b\n", None, "invalid YAML"),
-    ("nodes: [a]\n", 1, "unknown key 'nodes'"),
-    ("hosts: []\n", 1, "'hosts:' must be a non-empty list"),
-    ("hosts:\n  - 'a b'\n", 2, "invalid host name 'a b'"),
-])
-def test_cluster_yaml_errors_name_line(text, line, message):
-    with pytest.raises(HostfileError) as e:
-        parse_cluster_yaml(text, "c.yaml")
-    prefix = f"c.yaml:{line}: " if line else "c.yaml"
-    assert str(e.value).startswith(prefix)
-    assert message in str(e.value)
 
 
 def test_slurm_compressed_nodelist_and_tasks():

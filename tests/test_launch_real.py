@@ -1,16 +1,12 @@
 """Real jobs through the installed dtrun: a real mpirun, real ranks, real signals."""
 import os
 import re
-import shutil
-import signal
 import subprocess
 import time
-from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, interrupt_when_up, user_env, wait_until_empty
+from tests.dtrun_helpers import DTRUN, PYTHON, dtrun, interrupt_when_up, wait_until_empty, processes_with
 
 pytestmark = pytest.mark.mpi
 
@@ -77,15 +73,6 @@ def test_log_dir_gives_each_run_its_own_files(tmp_path):
     assert os.readlink(logs / "latest") == second.name
 
 
-def _job_processes(token):
-    found = []
-    for proc in psutil.process_iter(["cmdline", "name"]):
-        try:
-            if any(token in part for part in (proc.info["cmdline"] or [])):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return found
 
 
 def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
@@ -95,12 +82,12 @@ def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
     script = tmp_path / f"{token}.py"
     script.write_text(prog)
     def two_ranks_running():
-        ranks = [p for p in _job_processes(token) if "mpi4py" in p.cmdline()]
+        ranks = [p for p in processes_with(token) if "mpi4py" in p.cmdline()]
         assert len(ranks) == 2, ranks
 
     rc = interrupt_when_up([DTRUN, "-np", "2", "python", str(script)], 2, two_ranks_running, timeout_exit=20)
     assert rc == 130
-    assert wait_until_empty(lambda: _job_processes(token)) == [], "rank processes left alive after Ctrl-C"
+    assert wait_until_empty(lambda: processes_with(token)) == [], "rank processes left alive after Ctrl-C"
 
 
 OMPI4 = "/usr/bin/mpirun.openmpi"

@@ -6,7 +6,6 @@ that make a host go silent; nothing is mocked.
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
@@ -14,7 +13,7 @@ import pytest
 
 from tests import nscluster
 from tests.cluster_plugin import skip_if_unavailable
-from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, user_env, wait_until_empty
+from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, user_env, wait_until_empty, processes_with
 
 pytestmark = pytest.mark.mpi
 
@@ -23,15 +22,6 @@ SLEEPER = ("import os, sys, time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\nc.
            "print('up', c.rank, os.getpid(), flush=True)\ntime.sleep(300)\n")
 
 
-def _procs_with(token):
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(token in part for part in (p.info["cmdline"] or [])):
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return found
 
 
 def _script(tmp_path, text, tag):
@@ -100,7 +90,7 @@ def test_terminating_signal_stops_the_job_and_leaves_nothing(tmp_path, sig, code
     assert rc == code, err
     assert time.monotonic() - t0 < 10
     assert f"dtrun: stopped by {signal.Signals(sig).name}" in err
-    assert wait_until_empty(lambda: _procs_with(token)) == [], "ranks left alive"
+    assert wait_until_empty(lambda: processes_with(token)) == [], "ranks left alive"
 
 
 def test_pipe_closed_by_head_is_not_blamed_on_a_rank():
@@ -171,14 +161,28 @@ def _hosts(cluster):
     return ",".join(f"{h.name}:1" for h in cluster.hosts)
 
 
+def _start_sleeper(cluster, tmp_path, tag, *options):
+    """SLEEPER on one rank per host of ``cluster``, every rank up; returns (token, the running dtrun)."""
+    token, script = _script(tmp_path, SLEEPER, tag)
+    proc = _start([DTRUN, "--ssh-config", cluster.ssh_config, "-H", _hosts(cluster), "--no-tag-output",
+                   *options, "python", script])
+    try:
+        _wait_up(proc, len(cluster.hosts))
+    except BaseException:
+        proc.kill()
+        _kill_leftovers(token)
+        raise
+    return token, proc
+
+
 def _on_host(cluster, host, token):
     """Processes of ``host`` (its network namespace) whose command line holds ``token``."""
     pids = set(nscluster._netns_pids(host.netns))
-    return [p for p in _procs_with(token) if p.pid in pids]
+    return [p for p in processes_with(token) if p.pid in pids]
 
 
 def _kill_leftovers(token):
-    for p in _procs_with(token):
+    for p in processes_with(token):
         try:
             p.kill()
         except psutil.NoSuchProcess:
@@ -187,25 +191,19 @@ def _kill_leftovers(token):
 
 @pytest.mark.cluster
 def test_sighup_stops_the_job_on_every_host(cluster2, tmp_path):
-    token, script = _script(tmp_path, SLEEPER, "mh-hup")
-    proc = _start([DTRUN, "--ssh-config", cluster2.ssh_config, "-H", _hosts(cluster2), "--no-tag-output",
-                   "python", script])
-    _wait_up(proc, 2)
+    token, proc = _start_sleeper(cluster2, tmp_path, "mh-hup")
     assert all(_on_host(cluster2, h, token) for h in cluster2.hosts)
     proc.send_signal(signal.SIGHUP)
     rc, _, err = _finish(proc)
     assert rc == 129, err
-    assert wait_until_empty(lambda: _procs_with(token) + _procs_with(str(cluster2.ssh_config))) == []
+    assert wait_until_empty(lambda: processes_with(token) + processes_with(str(cluster2.ssh_config))) == []
 
 
 @pytest.mark.cluster
 def test_sigterm_with_a_silent_host_exits_fast_and_leaves_no_local_process(cluster2, tmp_path):
-    token, script = _script(tmp_path, SLEEPER, "mh-silent")
-    proc = _start([DTRUN, "--ssh-config", cluster2.ssh_config, "-H", _hosts(cluster2), "--no-tag-output",
-                   "python", script])
+    token, proc = _start_sleeper(cluster2, tmp_path, "mh-silent")
     silent = cluster2.hosts[1]
     try:
-        _wait_up(proc, 2)
         local = [c for c in psutil.Process(proc.pid).children(recursive=True)]
         assert any("ssh" in c.name() for c in local), local  # the ssh clients that must not be orphaned
         _silence(silent)
@@ -216,7 +214,7 @@ def test_sigterm_with_a_silent_host_exits_fast_and_leaves_no_local_process(clust
         assert rc == 143, err
         assert took < 8, f"dtrun took {took:.1f} s to exit after SIGTERM"  # target: about 5 s
         assert [c for c in local if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
-        assert not [p for p in _procs_with(token) if p.pid not in set(nscluster._netns_pids(silent.netns))]
+        assert not [p for p in processes_with(token) if p.pid not in set(nscluster._netns_pids(silent.netns))]
     finally:
         _silence(silent, on=False)
         _kill_leftovers(token)
@@ -224,12 +222,9 @@ def test_sigterm_with_a_silent_host_exits_fast_and_leaves_no_local_process(clust
 
 @pytest.mark.cluster
 def test_timeout_stops_a_job_whose_host_went_silent(cluster2, tmp_path):
-    token, script = _script(tmp_path, SLEEPER, "mh-timeout")
-    proc = _start([DTRUN, "--ssh-config", cluster2.ssh_config, "-H", _hosts(cluster2), "--no-tag-output",
-                   "--timeout", "15", "python", script])
+    token, proc = _start_sleeper(cluster2, tmp_path, "mh-timeout", "--timeout", "15")
     silent = cluster2.hosts[1]
     try:
-        _wait_up(proc, 2)
         _silence(silent)
         rc, _, err = _finish(proc, 60)
         assert rc == 124, err
@@ -273,12 +268,9 @@ def test_preflight_cache_never_hides_a_host_that_went_dark(cluster2):
 
 @pytest.mark.cluster
 def test_killed_daemon_is_named_with_its_host(cluster2, tmp_path):
-    token, script = _script(tmp_path, SLEEPER, "mh-daemon")
-    proc = _start([DTRUN, "--ssh-config", cluster2.ssh_config, "-H", _hosts(cluster2), "--no-tag-output",
-                   "python", script])
+    token, proc = _start_sleeper(cluster2, tmp_path, "mh-daemon")
     victim = cluster2.hosts[1]
     try:
-        _wait_up(proc, 2)
         daemons = [p for p in _on_host(cluster2, victim, "prted")]
         assert daemons
         for d in daemons:
@@ -296,7 +288,7 @@ def test_killed_daemon_is_named_with_its_host(cluster2, tmp_path):
             assert f"rank 1 on {victim.name} went silent" in summary, err
         else:
             assert summary.startswith("dtrun: job failed: mpirun exited with code"), err
-        assert wait_until_empty(lambda: _procs_with(token), timeout=10) == []  # its ranks stop too
+        assert wait_until_empty(lambda: processes_with(token), timeout=10) == []  # its ranks stop too
     finally:
         _kill_leftovers(token)
 

@@ -8,10 +8,9 @@ import signal
 import subprocess
 import time
 
-import psutil
 import pytest
 
-from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, interrupt_when_up, user_env, wait_until_empty
+from tests.dtrun_helpers import DTRUN, PYTHON, REPO, command_lines, dtrun, interrupt_when_up, user_env, wait_until_empty
 
 pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
 
@@ -120,15 +119,7 @@ def test_dry_run_prints_what_the_real_launch_runs(cluster3):
 
 def _job_procs(token, gateway):
     """Rank processes (by a token in their command line) and this cluster's prted daemons."""
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            cmd = " ".join(p.info["cmdline"] or [])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if (token in cmd and "mpi4py" in cmd) or ("prted" in cmd and gateway in cmd):
-            found.append((p.pid, cmd))
-    return found
+    return command_lines(lambda cmd: (token in cmd and "mpi4py" in cmd) or ("prted" in cmd and gateway in cmd))
 
 
 def test_sigint_leaves_nothing_alive_on_any_host(cluster3, tmp_path):
