@@ -61,6 +61,7 @@ def run(
     nccl_debug: Optional[str] = typer.Option(None, "--nccl-debug", help="Set NCCL_DEBUG=LEVEL on every rank (e.g. INFO, WARN)."),
     no_tree_spawn: bool = typer.Option(False, "--no-tree-spawn", help="Start all remote daemons from this host (Open MPI)."),
     mpirun: Optional[str] = typer.Option(None, "--mpirun", help="The mpirun/mpiexec to use (default: the one in this environment, then PATH)."),
+    launcher: str = typer.Option("auto", "--launcher", help="srun or mpirun (default: srun inside a Slurm allocation when the MPI supports it)."),
     ssh_config: Optional[str] = _SSH_CONFIG,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the mpirun command with the reason for each flag; run nothing."),
     no_preflight: bool = typer.Option(False, "--no-preflight", help="Skip the check of ssh and interfaces before a multi-host launch."),
@@ -79,7 +80,7 @@ def run(
         include_iface=include_iface, exclude_iface=exclude_iface, env=tuple(env), mca=tuple(_mca_pair(m) for m in mca),
         mpi_args=mpi_args, tag_output=tag_output, log_dir=log_dir, nccl_debug=nccl_debug,
         no_tree_spawn=no_tree_spawn, mpirun=mpirun, ssh_config=ssh_config, dry_run=dry_run,
-        preflight=not no_preflight, verbose=verbose,
+        preflight=not no_preflight, verbose=verbose, launcher=launcher,
     )
     raise typer.Exit(launch(opts))
 

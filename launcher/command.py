@@ -219,11 +219,12 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
 
 
 def redact_args(args) -> list[str]:
-    """Hide the values of secret-looking variables (-x NAME=V, -genv NAME V)."""
+    """Hide the values of secret-looking variables (-x NAME=V, -genv NAME V, env NAME=V)."""
     out = list(args)
     for i, a in enumerate(out):
         prev = out[i - 1] if i else ""
-        if prev == "-x" and "=" in a:
+        # "env NAME=V" of the srun command, whose assignments may each be a group of their own
+        if (prev == "-x" or prev == "env" or i == 0) and "=" in a:
             name, _, _ = a.partition("=")
             if is_secret_name(name):
                 out[i] = f"{name}={REDACTED}"

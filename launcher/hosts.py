@@ -21,6 +21,9 @@ from launcher.hostfile import (
 )
 
 
+SLURM_SOURCE = "Slurm allocation"  # HostSelection.source of hosts read from the allocation
+
+
 @dataclass(frozen=True)
 class HostSelection:
     """The resolved hosts of a job, where they came from, and warnings to show."""
@@ -121,7 +124,7 @@ def resolve_hosts(
     else:
         slurm = slurm_hosts(environ)
         if slurm is not None:
-            hosts, source = slurm, "Slurm allocation"
+            hosts, source = slurm, SLURM_SOURCE
         else:
             hosts, source = [HostSlots("localhost", os.cpu_count() or 1, source="default")], "localhost (default)"
     hosts, warnings = merge_duplicates(hosts)

@@ -5,16 +5,17 @@ import hashlib
 import os
 import shlex
 import shutil
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
 from launcher import command as cmd
-from launcher.errors import ExitCode, UsageError
+from launcher.errors import ExitCode, UsageError, signal_exit_code
 from launcher.flavors import Flavor, detect_flavor, find_mpirun
 from launcher.paths import cache_dir
-from launcher.hosts import HostSelection, all_local, is_local, resolve_hosts, resolve_np
+from launcher.hosts import SLURM_SOURCE, HostSelection, all_local, is_local, resolve_hosts, resolve_np
 
 RANKEXEC = str(Path(__file__).with_name("rankexec.py"))
 
@@ -50,6 +51,7 @@ class LaunchOptions:
     iface_reason: Optional[str] = None
     nccl_socket_ifname: Optional[str] = None
     run_id: Optional[str] = None  # --log-dir: this run's subdirectory (default: time and pid)
+    launcher: str = "auto"  # "srun", "mpirun", or srun inside an allocation when the MPI can (launcher/slurm.py)
 
 
 def warn(msg: str) -> None:
@@ -207,27 +209,55 @@ def prepare(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None):
     A dry run goes through the same steps (the preflight included), so it prints the
     command a real launch of the same arguments would run.
     """
+    selection, flavor, spec, groups, _ = prepare_launch(opts, environ)
+    return selection, flavor, spec, groups
+
+
+def prepare_launch(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None):
+    """As ``prepare``, plus the launcher choice (srun or mpirun, and why)."""
+    from launcher import slurm
+
     environ = os.environ if environ is None else environ
     selection = resolve_hosts(opts.host_list, opts.hostfile, opts.cluster, opts.include, opts.exclude, environ)
     for w in selection.warnings:
         warn(w)
     flavor = detect_flavor(find_mpirun(opts.mpirun, environ))
+    choice = slurm.choose_launcher(opts.launcher, flavor, selection.source == SLURM_SOURCE, environ)
+    in_slurm = choice.allocation is not None and selection.source == SLURM_SOURCE
     if opts.preflight and not all_local(selection.hosts):
-        from checks.preflight import preflight
+        if in_slurm:
+            # Inside the allocation Slurm starts everything (srun, or mpirun's daemons through
+            # srun): many sites block ssh to compute nodes, so check the Slurm side instead.
+            # It changes nothing in the command, so a dry run skips it.
+            if not opts.dry_run:
+                slurm.check_step(choice.srun or slurm.find_srun(environ) or "srun", selection.names)
+        else:
+            from checks.preflight import preflight
 
-        opts = preflight(opts, selection, flavor, environ)  # raises PreflightError on a known hang
+            opts = preflight(opts, selection, flavor, environ)  # raises PreflightError on a known hang
     spec = make_spec(opts, flavor, selection, environ)
+    if choice.launcher == "srun":
+        groups = slurm.build_srun_groups(spec, flavor, choice.plugins, choice.allocation.cpus_per_task, choice.srun)
+        return selection, flavor, spec, groups, choice
     if len(selection.hosts) >= cmd.TREE_SPAWN_HOSTS and not spec.no_tree_spawn and flavor.is_openmpi:
         warn(f"{len(selection.hosts)} hosts: Open MPI spawns daemons through a tree, so inner hosts must ssh to "
              "others; pass --no-tree-spawn if only this host has ssh access to all")
-    return selection, flavor, spec, cmd.build_groups(spec, flavor)
+    return selection, flavor, spec, cmd.build_groups(spec, flavor), choice
 
 
-def describe(opts: LaunchOptions, selection, flavor: Flavor, spec: cmd.LaunchSpec, groups) -> str:
+def describe(opts: LaunchOptions, selection, flavor: Flavor, spec: cmd.LaunchSpec, groups, choice=None) -> str:
     """The --dry-run / --verbose text: what runs, each flag with its reason."""
+    from launcher import slurm
+
     hosts = len(selection.hosts)
+    if choice is not None and choice.launcher == "srun":
+        header = slurm.format_header(choice, flavor, spec)
+        notes = "".join(f"# note: {n}\n" for n in slurm.srun_notes(spec, flavor))
+        return notes + cmd.format_dry_run(groups, header)
     header = (f"{flavor.label} ({flavor.mpirun}); {spec.np} ranks on {hosts} host{'s' if hosts != 1 else ''} "
               f"from {selection.source}")
+    if choice is not None and choice.allocation is not None:
+        header += f"; mpirun, not srun: {choice.reason}"
     if spec.local_only:
         header += "; every host is this machine, so no interface flags"
     elif not opts.preflight:
@@ -251,19 +281,38 @@ def start_log_dir(log_dir: str) -> None:
 
 def launch(opts: LaunchOptions) -> int:
     """Run (or with --dry-run, print) the job; return dtrun's exit code."""
-    selection, flavor, spec, groups = prepare(opts)
+    from launcher import slurm
+
+    selection, flavor, spec, groups, choice = prepare_launch(opts)
     if opts.dry_run:
-        print(describe(opts, selection, flavor, spec, groups))
+        print(describe(opts, selection, flavor, spec, groups, choice))
         return ExitCode.OK
     if opts.verbose:
-        print("\n".join(f"dtrun: {line}" for line in describe(opts, selection, flavor, spec, groups).splitlines()),
-              file=sys.stderr, flush=True)
+        text = describe(opts, selection, flavor, spec, groups, choice)
+        print("\n".join(f"dtrun: {line}" for line in text.splitlines()), file=sys.stderr, flush=True)
+    elif choice.launcher == "srun":
+        for n in slurm.srun_notes(spec, flavor):
+            warn(n)
+    from launcher.allocwatch import ended_message, ended_state, watch_allocation
     from launcher.run import failure_summary, run_job
 
     if spec.log_dir:
         start_log_dir(spec.log_dir)
     argv = [a for g in groups for a in g.args]
-    result = run_job(argv)
+    stop_watch = watch_allocation(choice.allocation.job_id, environ=os.environ) if choice.allocation else None
+    try:
+        result = run_job(argv)
+    finally:
+        if stop_watch is not None:
+            stop_watch()
+    if choice.launcher == "srun":
+        result.returncode = slurm.srun_exit_code(result)
+    ended = ended_state(choice.allocation.job_id) if choice.allocation and not result.interrupted else None
+    if ended:
+        # Slurm stopped the ranks: that, not the first rank it killed, is the cause. Open MPI 5's
+        # mpirun was seen to exit 0 when scancel killed its daemons' step; a killed job never exits 0.
+        print(ended_message(choice.allocation.job_id, ended, "the job was stopped"), file=sys.stderr)
+        return result.returncode or signal_exit_code(signal.SIGTERM)
     if result.returncode != 0:
         print(failure_summary(result, spec.log_dir), file=sys.stderr)
     return result.returncode
