@@ -291,9 +291,11 @@ def slurm_hosts(environ: Mapping[str, str]) -> Optional[list[HostSlots]]:
 
     Uses python-hostlist for the compressed ``node[01-04,07]`` and ``4(x2),2`` forms,
     after checking that neither expands beyond ``safe.MAX_HOSTS`` entries.
+    A SLURM_JOB_NODELIST without SLURM_JOB_ID is a leftover of a shell that once ran
+    in an allocation, not an allocation.
     """
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
-    if not nodelist:
+    if not nodelist or not (environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")):
         return None
     import hostlist  # lazily: only inside Slurm
 

@@ -22,6 +22,9 @@ from launcher.hostfile import (
 from launcher.safe import MAX_RANKS, count
 
 
+SLURM_SOURCE = "Slurm allocation"  # HostSelection.source of hosts read from the allocation
+
+
 @dataclass(frozen=True)
 class HostSelection:
     """The resolved hosts of a job, where they came from, and warnings to show."""
@@ -125,7 +128,7 @@ def resolve_hosts(
     else:
         slurm = slurm_hosts(environ)
         if slurm is not None:
-            hosts, source = slurm, "Slurm allocation"
+            hosts, source = slurm, SLURM_SOURCE
         else:
             hosts, source = [HostSlots("localhost", os.cpu_count() or 1, source="default")], "localhost (default)"
     hosts, warnings = merge_duplicates(hosts)

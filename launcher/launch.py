@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,9 +12,9 @@ from typing import Callable, Mapping, Optional
 
 from launcher import command as cmd
 from launcher import safe
-from launcher.errors import ExitCode, UsageError
+from launcher.errors import ExitCode, UsageError, signal_exit_code
 from launcher.flavors import Flavor, detect_flavor, find_mpirun
-from launcher.hosts import HostSelection, all_local, is_local, resolve_hosts, resolve_np
+from launcher.hosts import SLURM_SOURCE, HostSelection, all_local, is_local, resolve_hosts, resolve_np
 from launcher.netinfo import InterfaceChoice, SharedSubnet, local_address_on
 from launcher.sshconf import base_ssh_config, job_ssh_files
 
@@ -70,6 +71,7 @@ class LaunchOptions:
     on_hang: str = "report"
     timeout: Optional[float] = None  # seconds the whole job may run
     start_timeout: Optional[float] = DEFAULT_START_TIMEOUT_S  # seconds until every rank has started
+    launcher: str = "auto"  # "srun", "mpirun", or srun inside an allocation when the MPI can (launcher/slurm.py)
 
 
 def warn(msg: str) -> None:
@@ -275,26 +277,55 @@ def prepare(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None, pr
     would hang the job. A dry run goes through the same steps, so it prints the command a
     real launch of the same arguments would run.
     """
+    selection, flavor, spec, groups, _ = prepare_launch(opts, environ, preflight)
+    return selection, flavor, spec, groups
+
+
+def prepare_launch(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None,
+                   preflight: Optional[Preflight] = None):
+    """As ``prepare``, plus the launcher choice (srun or mpirun, and why)."""
+    from launcher import slurm
+
     environ = os.environ if environ is None else environ
     selection = resolve_hosts(opts.host_list, opts.hostfile, opts.cluster, opts.include, opts.exclude, environ)
     for w in selection.warnings:
         warn(w)
     flavor = detect_flavor(find_mpirun(opts.mpirun, environ), write_cache=not opts.dry_run)
+    launcher_choice = slurm.choose_launcher(opts.launcher, flavor, selection.source == SLURM_SOURCE, environ)
+    in_slurm = launcher_choice.allocation is not None and selection.source == SLURM_SOURCE
     choice = None
-    if preflight is not None and opts.preflight and not all_local(selection.hosts):
-        choice = preflight(opts, selection, flavor, environ)  # raises PreflightError on a known hang
+    if opts.preflight and not all_local(selection.hosts):
+        if in_slurm:
+            # Inside the allocation Slurm starts everything (srun, or mpirun's daemons through
+            # srun): many sites block ssh to compute nodes, so check the Slurm side instead.
+            # It changes nothing in the command, so a dry run skips it.
+            if not opts.dry_run:
+                slurm.check_step(launcher_choice.srun or slurm.find_srun(environ) or "srun", selection.names)
+        elif preflight is not None:
+            choice = preflight(opts, selection, flavor, environ)  # raises PreflightError on a known hang
     spec = make_spec(opts, flavor, selection, environ, choice, local_facts(opts, flavor, selection, choice, environ))
+    if launcher_choice.launcher == "srun":
+        groups = slurm.build_srun_groups(spec, flavor, launcher_choice.plugins,
+                                         launcher_choice.allocation.cpus_per_task, launcher_choice.srun)
+        return selection, flavor, spec, groups, launcher_choice
     if len(selection.hosts) >= cmd.TREE_SPAWN_HOSTS and not spec.no_tree_spawn and flavor.is_openmpi:
         warn(f"{len(selection.hosts)} hosts: Open MPI spawns daemons through a tree, so inner hosts must ssh to "
              "others; pass --no-tree-spawn if only this host has ssh access to all")
-    return selection, flavor, spec, cmd.build_groups(spec, flavor)
+    return selection, flavor, spec, cmd.build_groups(spec, flavor), launcher_choice
 
 
-def describe(opts: LaunchOptions, selection, flavor: Flavor, spec: cmd.LaunchSpec, groups, notes=()) -> str:
+def describe(opts: LaunchOptions, selection, flavor: Flavor, spec: cmd.LaunchSpec, groups, notes=(),
+             choice=None) -> str:
     """The --dry-run / --verbose text: what runs, each flag with its reason."""
+    from launcher import slurm
+
     hosts = len(selection.hosts)
+    if choice is not None and choice.launcher == "srun":
+        return cmd.format_dry_run(groups, slurm.format_header(choice, flavor, spec), slurm.srun_notes(spec, flavor))
     header = (f"{flavor.label} ({flavor.mpirun}); {spec.np} ranks on {hosts} host{'s' if hosts != 1 else ''} "
               f"from {selection.source}")
+    if choice is not None and choice.allocation is not None:
+        header += f"; mpirun, not srun: {choice.reason}"
     if spec.local_only:
         header += "; every host is this machine, so no interface flags"
     elif not opts.preflight:
@@ -340,21 +371,24 @@ def launch(opts: LaunchOptions, preflight: Optional[Preflight] = None) -> int:
 
 
 def _launch(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Preflight]) -> int:
-    selection, flavor, spec, groups = prepare(opts, preflight=preflight)
-    notes = cmd.flavor_notes(spec, flavor)
+    from launcher import slurm
+
+    selection, flavor, spec, groups, choice = prepare_launch(opts, preflight=preflight)
+    notes = slurm.srun_notes(spec, flavor) if choice.launcher == "srun" else cmd.flavor_notes(spec, flavor)
     if opts.dry_run:
-        print(describe(opts, selection, flavor, spec, groups, notes))
+        print(describe(opts, selection, flavor, spec, groups, notes, choice))
         for f in spec.ssh_files:
             print(f"# a launch first writes {f.path} (--dry-run wrote nothing):")
             print("\n".join(f"#   {line}" for line in f.text.splitlines()))
         return ExitCode.OK
     if opts.verbose:
-        print("\n".join(f"dtrun: {line}" for line in describe(opts, selection, flavor, spec, groups).splitlines()),
+        print("\n".join(f"dtrun: {line}" for line in describe(opts, selection, flavor, spec, groups, notes, choice).splitlines()),
               file=sys.stderr, flush=True)
     for f in spec.ssh_files:
         f.write()
     for n in notes:
         warn(n)
+    from launcher.allocwatch import ended_message, ended_state, watch_allocation
     from launcher.run import expected_hosts, failure_summary, run_job
 
     if spec.log_dir:
@@ -369,11 +403,24 @@ def _launch(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Pre
                              flavor.label, spec.program)
         monitor = Monitor(job, opts.hang_timeout, opts.on_hang)
     expected = expected_hosts(spec.hosts, spec.np) if spec.rank_wrapper else []
-    result = run_job(argv, timeout=check_seconds(opts.timeout, "--timeout"),
-                     start_timeout=check_seconds(opts.start_timeout, "--start-timeout"), expected=expected,
-                     monitor=monitor)
+    stop_watch = watch_allocation(choice.allocation.job_id, environ=os.environ) if choice.allocation else None
+    try:
+        result = run_job(argv, timeout=check_seconds(opts.timeout, "--timeout"),
+                         start_timeout=check_seconds(opts.start_timeout, "--start-timeout"), expected=expected,
+                         monitor=monitor)
+    finally:
+        if stop_watch is not None:
+            stop_watch()
     if result.hung:
         monitor.kill_leftovers()  # nothing of the stopped job may stay behind on any host
+    if choice.launcher == "srun":
+        result.returncode = slurm.srun_exit_code(result)
+    ended = ended_state(choice.allocation.job_id) if choice.allocation and not result.interrupted else None
+    if ended:
+        # Slurm stopped the ranks: that, not the first rank it killed, is the cause. Open MPI 5's
+        # mpirun was seen to exit 0 when scancel killed its daemons' step; a killed job never exits 0.
+        print(ended_message(choice.allocation.job_id, ended, "the job was stopped"), file=sys.stderr)
+        return result.returncode or signal_exit_code(signal.SIGTERM)
     if result.returncode != 0 or result.notes:
         print(failure_summary(result, spec.log_dir), file=sys.stderr)
     return result.returncode

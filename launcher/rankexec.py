@@ -49,19 +49,47 @@ _RANK_VARS = (
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ("PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE", "MPI_LOCALNRANKS"),
     ("PMIX_RANK", "PMIX_LOCAL_RANK", "PMIX_SIZE", "PMIX_LOCAL_SIZE"),
-    ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE"),
 )
 _PY_FLAGS_NOARG = set("bBdEhiIOqsSuvx")
 _PY_FLAGS_ARG = {"-W", "-X", "--check-hash-based-pycs"}
 
 
+def _slurm_step_vars(environ):
+    """(rank, local rank, size, local size) of a task srun started itself, or None.
+
+    Under srun only part of a flavor's set is there (the pmi2 plugin sets PMI_RANK but no
+    MPI_LOCALRANKID, pmix sets PMIX_RANK alone), so the step's own variables decide; the
+    local size is this node's entry of SLURM_STEP_TASKS_PER_NODE ("2(x3),1").
+    """
+    try:
+        counts = []
+        for item in environ["SLURM_STEP_TASKS_PER_NODE"].split(","):
+            n, _, rep = item.partition("(x")
+            counts += [int(n)] * (int(rep.rstrip(")")) if rep else 1)
+        local_size = counts[int(environ["SLURM_NODEID"])]
+        return (environ["SLURM_PROCID"], environ["SLURM_LOCALID"], environ["SLURM_STEP_NUM_TASKS"], str(local_size))
+    except (KeyError, ValueError, IndexError):
+        return None
+
+
 def rank_env(environ):
-    """DTRUN_* variables derived from the flavor's own per-rank variables."""
+    """DTRUN_* variables derived from the flavor's own per-rank variables.
+
+    A flavor's set counts only when complete; then srun's step variables; else one rank.
+    Open MPI's and Hydra's sets come first: when mpirun starts its daemons with srun, the
+    ranks inherit SLURM_PROCID of a daemon, not their own.
+    """
+    keys = ("DTRUN_RANK", "DTRUN_LOCAL_RANK", "DTRUN_SIZE", "DTRUN_LOCAL_SIZE")
     for names in _RANK_VARS:
-        if names[0] in environ:
-            values = [environ.get(n, "") for n in names]
-            return dict(zip(("DTRUN_RANK", "DTRUN_LOCAL_RANK", "DTRUN_SIZE", "DTRUN_LOCAL_SIZE"), values))
-    return {"DTRUN_RANK": "0", "DTRUN_LOCAL_RANK": "0", "DTRUN_SIZE": "1", "DTRUN_LOCAL_SIZE": "1"}
+        if all(environ.get(n) for n in names):
+            return dict(zip(keys, (environ[n] for n in names)))
+    step = _slurm_step_vars(environ)
+    if step is not None:
+        return dict(zip(keys, step))
+    for names in _RANK_VARS:  # an incomplete set still beats nothing for the rank itself
+        if environ.get(names[0]):
+            return dict(zip(keys, (environ.get(n) or d for n, d in zip(names, ("0", "0", "1", "1")))))
+    return dict(zip(keys, ("0", "0", "1", "1")))
 
 
 def torch_env(dtrun_env):

@@ -147,8 +147,8 @@ def test_cluster_file_ssh_settings_reach_the_launcher(tmp_path):
 
 def test_slurm_allocation_is_used_without_host_options():
     from tests.dtrun_helpers import user_env
-    env = user_env(SLURM_JOB_NODELIST="node[01-02,07]", SLURM_TASKS_PER_NODE="4(x2),2")
-    p = dtrun("--dry-run", "--no-preflight", "true", env=env)
+    env = user_env(SLURM_JOB_ID="7", SLURM_JOB_NODELIST="node[01-02,07]", SLURM_TASKS_PER_NODE="4(x2),2")
+    p = dtrun("--dry-run", "--no-preflight", "--launcher", "mpirun", "true", env=env)
     assert p.returncode == 0, p.stderr
     assert "-np 10" in p.stdout and "-H node01:4,node02:4,node07:2" in p.stdout
     assert "from Slurm allocation" in p.stdout

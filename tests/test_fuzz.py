@@ -128,12 +128,12 @@ def cases(tmp):
     add("iface both", base + ["--include-iface", "eth0", "--exclude-iface", "lo", "true"])
     for _ in range(50):
         env = rng.choice([
-            {"SLURM_JOB_NODELIST": "n[1-100000]"},
-            {"SLURM_JOB_NODELIST": "n[1-1000]x[1-1000]"},
-            {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "0(x2)"},
-            {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "1(x999999999)"},
-            {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": rng.choice(["x", "1,", "(x2)", "4097(x2)", "3"])},
-            {"SLURM_JOB_NODELIST": rng.choice(["n[1-", "n[a-b]", "n]1[", "999.1.1.1", spoil(rng, "node")])},
+            {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-100000]"},
+            {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-1000]x[1-1000]"},
+            {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "0(x2)"},
+            {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "1(x999999999)"},
+            {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": rng.choice(["x", "1,", "(x2)", "4097(x2)", "3"])},
+            {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": rng.choice(["n[1-", "n[a-b]", "n]1[", "999.1.1.1", spoil(rng, "node")])},
         ])
         add("SLURM_*", ["--dry-run", "true"], env)
     for _ in range(30):

@@ -113,21 +113,28 @@ def test_cluster_yaml_defaults_and_overrides():
 
 
 def test_slurm_compressed_nodelist_and_tasks():
-    hosts = slurm_hosts({"SLURM_JOB_NODELIST": "node[01-04,07]", "SLURM_TASKS_PER_NODE": "4(x2),2(x2),1"})
+    hosts = slurm_hosts({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[01-04,07]", "SLURM_TASKS_PER_NODE": "4(x2),2(x2),1"})
     assert names_slots(hosts) == [("node01", 4), ("node02", 4), ("node03", 2), ("node04", 2), ("node07", 1)]
 
 
 def test_slurm_mismatch_is_an_error():
     with pytest.raises(HostfileError, match="SLURM_TASKS_PER_NODE: '4' gives 1 counts for 2 nodes"):
-        slurm_hosts({"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "4"})
+        slurm_hosts({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "4"})
 
 
 def test_outside_slurm_is_none():
     assert slurm_hosts({}) is None
 
 
+def test_leftover_nodelist_without_job_id_is_not_an_allocation():
+    # A shell that once ran inside salloc keeps SLURM_JOB_NODELIST after the job ended.
+    leftover = {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "2(x2)"}
+    assert slurm_hosts(leftover) is None
+    assert resolve_hosts(environ=leftover).names == ["localhost"]
+
+
 def test_resolve_prefers_explicit_then_slurm_then_localhost():
-    env = {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "2(x2)"}
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "2(x2)"}
     assert resolve_hosts(environ=env).names == ["n1", "n2"]
     assert resolve_hosts(host_list="a:1", environ=env).names == ["a"]
     local = resolve_hosts(environ={})

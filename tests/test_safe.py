@@ -207,15 +207,15 @@ def test_hostfile_and_slurm_values_go_through_the_same_gate():
         parse_hostfile("999.1.1.1 slots=2\n", "hf")
     for nodelist in ("n[1-100000]", "n[1-99999999999]", "a[1-300]b[1-300]"):
         with pytest.raises(HostfileError) as e:
-            slurm_hosts({"SLURM_JOB_NODELIST": nodelist})
+            slurm_hosts({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": nodelist})
         assert "more than 65536" in str(e.value)
     with pytest.raises(HostfileError) as e:
-        slurm_hosts({"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "0(x2)"})
+        slurm_hosts({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "0(x2)"})
     assert str(e.value).startswith("SLURM_TASKS_PER_NODE: '0(x2)' gives no tasks")
     with pytest.raises(HostfileError):
-        slurm_hosts({"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "1(x999999999)"})
+        slurm_hosts({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "1(x999999999)"})
     with pytest.raises(HostfileError):
-        slurm_hosts({"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "5000(x2)"})
+        slurm_hosts({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "5000(x2)"})
 
 
 def test_yaml_duplicate_keys_and_deep_nesting():
