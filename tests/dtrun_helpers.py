@@ -40,24 +40,30 @@ def one_line_error(proc, *needles):
     return line
 
 
+def wait_for_lines(proc, n, match, timeout=60):
+    """Read ``proc``'s stdout until ``n`` lines satisfy ``match``; fail with its stderr if they do not come."""
+    import time
+
+    seen, deadline = 0, time.monotonic() + timeout
+    while seen < n and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen += bool(match(line))
+    assert seen == n, f"only {seen} of {n} ranks started: " + (proc.stderr.read() if proc.poll() is not None else "")
+
+
 def interrupt_when_up(argv, ups, check_running=None, timeout_up=60, timeout_exit=30):
     """Start dtrun, wait for ``ups`` ranks to print 'up', send SIGINT, return its exit code.
 
     ``check_running`` runs once all ranks are up (to assert the job's processes exist).
     """
     import signal
-    import time
 
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=user_env(), cwd=REPO, stdin=subprocess.DEVNULL)
     try:
-        seen, deadline = 0, time.monotonic() + timeout_up
-        while seen < ups and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                break
-            seen += line.strip() == "up"
-        assert seen == ups, f"only {seen} of {ups} ranks started: {proc.stderr.read() if proc.poll() is not None else ''}"
+        wait_for_lines(proc, ups, lambda line: line.strip() == "up", timeout_up)
         if check_running:
             check_running()
         proc.send_signal(signal.SIGINT)

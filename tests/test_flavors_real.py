@@ -20,7 +20,7 @@ import pytest
 
 from tests import nscluster
 from tests.cluster_plugin import skip_if_unavailable
-from tests.dtrun_helpers import BIN, DTRUN, REPO, dtrun, user_env, wait_until_empty, processes_with
+from tests.dtrun_helpers import BIN, DTRUN, REPO, dtrun, processes_with, user_env, wait_for_lines, wait_until_empty
 
 pytestmark = [pytest.mark.mpi, pytest.mark.flavor]
 
@@ -162,13 +162,7 @@ def test_ctrl_c_leaves_nothing_behind(flavor):
                              str(flavor.binary)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=user_env(), cwd=REPO, stdin=subprocess.DEVNULL)
     try:
-        up, deadline = 0, time.monotonic() + 60
-        while up < 2 and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                break
-            up += line.startswith("up ")
-        assert up == 2, proc.stderr.read() if proc.poll() is not None else "ranks did not start"
+        wait_for_lines(proc, 2, lambda line: line.startswith("up "))
         assert len([p for p in processes_with(str(flavor.binary)) if p.name() != "python3"]) >= 2
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 130

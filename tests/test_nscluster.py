@@ -98,11 +98,8 @@ def connect_from_root(addr: str, port: int, timeout: float = 2.0) -> str:
 
 def module_cluster(n: int, **kwargs):
     skip_if_unavailable()
-    cluster = Cluster(n, **kwargs).up()
-    try:
+    with Cluster(n, **kwargs) as cluster:
         yield cluster
-    finally:
-        cluster.down()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.dtrun_helpers import BIN, DTRUN, PYTHON, REPO, wait_until_empty
+from tests.dtrun_helpers import BIN, DTRUN, PYTHON, REPO, wait_for_lines, wait_until_empty
 from tests.slurmcluster import SlurmCluster, slurm_cmd, slurm_unavailable_reason
 
 pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
@@ -54,11 +54,8 @@ def slurm(make_cluster_module):
     if reason:
         pytest.skip(f"Slurm test cluster unavailable: {reason}")
     ns = make_cluster_module(3, faults={i: {"dead"} for i in range(3)})  # no sshd anywhere
-    cluster = SlurmCluster(ns).up()
-    try:
+    with SlurmCluster(ns) as cluster:
         yield cluster
-    finally:
-        cluster.down()
 
 
 @pytest.fixture(scope="module")
@@ -220,13 +217,7 @@ def test_allocation_end_stops_dtrun(slurm, how, launcher):
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env_of(slurm), cwd=REPO, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        seen, deadline = 0, time.monotonic() + 60
-        while seen < 3 and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                break
-            seen += line.strip().endswith("up")
-        assert seen == 3, proc.stderr.read() if proc.poll() is not None else "ranks did not start"
+        wait_for_lines(proc, 3, lambda line: line.strip().endswith("up"))
         if launcher != "local":
             assert slurm.node_pids(token), "the ranks are not running on the nodes"
         if how == "scancel":
