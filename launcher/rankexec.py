@@ -289,6 +289,11 @@ def main(argv=None):
         sys.stdout.flush()
     except OSError:
         pass
+    if rc < 0 and not forwarded and -rc in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        # A launcher that signals every process of the step at once (srun's slurmstepd) can
+        # reach the program a moment before this wrapper: give that signal time to arrive
+        # (its handler runs during the sleep) before calling the death a kill from elsewhere.
+        time.sleep(0.2)
     if rc < 0:
         # forwarded=1: the launcher was stopping this rank; 0: someone else killed it.
         sys.stderr.write(f"{MARKER} rank={rank} host={host} signal={-rc} forwarded={int(bool(forwarded))} "
