@@ -3,8 +3,8 @@
 Progress is a collective of the bundled runtime started on any rank (the flight
 recorders' sequence numbers, read on each host by a ``stackagent.py watch`` process);
 for a job that does not use the runtime, output: lines dtrun relays from any rank, or
-growth of a rank's log under --log-dir. When nothing progressed for ``hang_timeout``
-seconds the monitor prints the roll-call report (launcher/stacks.py) once, and again
+growth of a rank's log under --log-dir. The clock starts when every rank has started.
+When nothing progressed for ``hang_timeout`` seconds the monitor prints the roll-call report (launcher/stacks.py) once, and again
 only after progress resumed and stalled anew. ``on_hang="abort"`` then stops the job,
 and dtrun exits with ExitCode.HANG.
 """
@@ -46,6 +46,7 @@ class Monitor:
         self._last_log = time.monotonic()
         self._runtime = False
         self._seen: dict[str, list] = {}
+        self._started: set = set()
         self._agents: list[subprocess.Popen] = []
         self._threads: list[threading.Thread] = []
 
@@ -88,8 +89,13 @@ class Monitor:
     def on_output(self, _stream, _data) -> None:
         self.saw_output()
 
-    def on_rank_start(self, _rank, _host) -> None:
-        pass
+    def on_rank_start(self, rank, _host) -> None:
+        # Until every rank has started, the job is starting (--start-timeout's business, and
+        # ssh plus daemon start-up on busy hosts takes seconds): the clock starts from there.
+        with self._lock:
+            self._started.add(rank)
+            if len(self._started) == self.job.np:
+                self._last_output = self._last_rec = self._last_log = time.monotonic()
 
     def on_rank_exit(self, _failure) -> None:
         pass
@@ -184,19 +190,27 @@ class Monitor:
         self.out(f"dtrun: {text}\n  (collected in {took:.2f} s)")
         self.reports.append((text, took))
 
-    def kill_leftovers(self) -> None:
-        """After an abort: SIGKILL any rank the job directory still lists, on every host."""
+    def kill_leftovers(self, budget: float = 5.0) -> None:
+        """After dtrun stopped the job: on every host at once, SIGKILL any rank the job
+        directory still lists and the MPI daemons that started them, if still alive.
+
+        Bounded by ``budget`` seconds in all, whatever the network does (a silent host's
+        ssh client is killed when it runs out).
+        """
         from launcher.stacks import agent_argv
 
+        deadline = time.monotonic() + budget
         procs = []
         for host in dict.fromkeys(self.job.hosts):
             try:
-                procs.append(subprocess.Popen(agent_argv(self.job, host, "kill", 5), stdout=subprocess.DEVNULL,
-                                              stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL))
+                procs.append(subprocess.Popen(agent_argv(self.job, host, "kill", budget), stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                                              start_new_session=True))
             except OSError:
                 pass
         for p in procs:
             try:
-                p.wait(timeout=15)
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()

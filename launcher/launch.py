@@ -411,8 +411,13 @@ def _launch(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Pre
     finally:
         if stop_watch is not None:
             stop_watch()
-    if result.hung:
-        monitor.kill_leftovers()  # nothing of the stopped job may stay behind on any host
+    if monitor is not None and (result.hung or (result.stopped and choice.launcher != "srun")):
+        # Nothing of a job dtrun stopped may stay behind on any host: an MPI daemon can outlive
+        # an mpirun that had to be killed (seen with Open MPI 5's prted on a loaded machine).
+        # Under srun, Slurm ends the step's processes itself (and ssh may be blocked there).
+        # A signal leaves little time (dtrun exits within about 5 s of SIGTERM); a time limit
+        # or --on-hang abort more.
+        monitor.kill_leftovers(budget=1.5 if result.interrupted else 5.0)
     if choice.launcher == "srun":
         result.returncode = slurm.srun_exit_code(result)
     ended = ended_state(choice.allocation.job_id) if choice.allocation and not result.interrupted else None

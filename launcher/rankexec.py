@@ -244,6 +244,7 @@ def main(argv=None):
         return code
     if job_dir:
         rankstate.write_state(job_dir, rank, host, child.pid, argv, log_path)
+        rankstate.record_daemon(job_dir, host, os.getppid())
 
     def forward(signum, _frame):
         forwarded.append(signum)

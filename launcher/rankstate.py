@@ -7,6 +7,9 @@ on every host, local to each host):
 
 * ``rank.N.json``: rank, host, the program's pid and the wrapper's, the program, the log
   file; read by ``launcher/stackagent.py`` to know which processes to look at;
+* ``daemon.PID.json``: the MPI daemon that started the wrapper on this host (prted, orted,
+  hydra_pmi_proxy) with its start time, so that dtrun can stop a daemon that outlived a
+  job it stopped (``stackagent.py kill``); the file stays until then (one per daemon);
 * ``rank.N.stack``: where Python's faulthandler writes every thread's stack when the rank
   receives ``dump_signal()``; ``rank.N.stack.armed`` says it is listening ("PID SIGNUM").
 
@@ -87,6 +90,41 @@ def write_state(job_dir, rank, host, pid, argv, log_path=None):
         os.replace(tmp, p)
     except OSError:
         pass  # diagnosis is best effort; the job runs on
+
+
+# Parents of a rank wrapper that are a launcher's per-host daemon (never sshd, slurmstepd or a shell).
+DAEMON_NAMES = ("prted", "orted", "hydra_pmi_proxy")
+
+
+def proc_start(pid):
+    """(name, start time in clock ticks) of a live process, or None: together they tell a
+    process from a later one that reuses its pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    name = stat[stat.find(b"(") + 1:stat.rfind(b")")].decode("utf-8", "replace")
+    fields = stat[stat.rfind(b")") + 2:].split()
+    try:
+        return name, int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def record_daemon(job_dir, host, pid):
+    """Remember the MPI daemon ``pid`` (the wrapper's parent) when it is one (see DAEMON_NAMES)."""
+    info = proc_start(pid)
+    if info is None or info[0] not in DAEMON_NAMES:
+        return
+    p = os.path.join(job_dir, f"daemon.{pid}.json")
+    tmp = f"{p}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"host": host, "pid": pid, "name": info[0], "start": info[1]}, f)
+        os.replace(tmp, p)
+    except OSError:
+        pass
 
 
 def prepare(job_dir):

@@ -120,6 +120,7 @@ class JobResult:
     notes: list = field(default_factory=list)  # warnings for the end of the run
     hung: bool = False  # --on-hang abort stopped the job (launcher/hangwatch.py)
     forced: bool = False  # mpirun did not stop in time: its session on this host was killed
+    stopped: bool = False  # dtrun stopped the job (a signal, a time limit, a failed rank, --on-hang abort)
 
     @property
     def how_stopped(self) -> str:
@@ -556,7 +557,7 @@ def run_job(argv: Sequence[str], env: Optional[dict] = None, *, timeout: Optiona
 def _result(mpirun_rc: int, job: RunningJob, pumps: _Pumps, state: dict, expected: Sequence[str]) -> JobResult:
     interrupted = "signum" in state
     if (job.stop_reason or "").startswith("no progress"):  # the hang monitor's --on-hang abort
-        return JobResult(ExitCode.HANG, mpirun_rc, [], False, hung=True)
+        return JobResult(ExitCode.HANG, mpirun_rc, [], False, hung=True, stopped=True)
     failures = order_failures(job.failures, pumps.reported_rank())
     if root_cause(failures) is None and mpirun_rc != 0 and not interrupted:
         fb = pumps.fallback_failure()
@@ -577,7 +578,8 @@ def _result(mpirun_rc: int, job: RunningJob, pumps: _Pumps, state: dict, expecte
     if lost and rc == 0:
         rc = ExitCode.FAILED  # Open MPI 5 was seen to exit 0 after losing a daemon and its ranks
     result = JobResult(rc, mpirun_rc, failures, interrupted, signum, state.get("timeout"),
-                       bool(state.get("stdout_closed")), lost, forced=bool(state.get("forced")))
+                       bool(state.get("stdout_closed")), lost, forced=bool(state.get("forced")),
+                       stopped=job.stop_reason is not None)
     if mpirun_rc != 0 and root_cause(failures) is None and not lost and not interrupted and "timeout" not in state:
         # Open MPI does not always say which daemon it lost: the ranks that started and then sent
         # neither an exit report nor their last output line went down with their host or daemon.

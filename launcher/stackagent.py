@@ -13,7 +13,8 @@ Python. Every step has a timeout; the ranks are asked in parallel.
 ``python -S stackagent.py watch JOB_DIR INTERVAL`` prints one JSON line per interval with
 each local rank's progress (recorder sequence, log size), until its output is closed.
 
-``python -S stackagent.py kill JOB_DIR`` sends SIGKILL to every rank of the job on this host.
+``python -S stackagent.py kill JOB_DIR`` sends SIGKILL to every rank of the job on this host, and
+to the MPI daemons that started them if they are still alive (rankstate.record_daemon).
 """
 import json
 import os
@@ -329,6 +330,14 @@ def watch(job_dir, interval):
 
 
 def kill(job_dir):
+    """SIGKILL this host's ranks of the job, then the MPI daemons that started them and are
+    still the same processes (an MPI daemon can outlive an mpirun that was killed)."""
+    try:
+        from rankstate import proc_start  # run as a script: launcher/ is sys.path[0]
+    except ImportError:
+        from launcher.rankstate import proc_start
+
+    host = socket.gethostname()
     killed = []
     for st in local_ranks(job_dir):
         for pid in (st.get("pid"), st.get("wrapper_pid")):
@@ -337,7 +346,28 @@ def kill(job_dir):
                 killed.append(pid)
             except (OSError, TypeError, ValueError):
                 pass
-    return {"host": socket.gethostname(), "killed": killed}
+    try:
+        names = [n for n in os.listdir(job_dir) if n.startswith("daemon.") and n.endswith(".json")]
+    except OSError:
+        names = []
+    for name in names:
+        path = os.path.join(job_dir, name)
+        try:
+            with open(path) as f:
+                d = json.load(f)
+            if d.get("host") != host:
+                continue  # another host's daemon (a job directory on a shared file system)
+            pid = int(d["pid"])
+            if proc_start(pid) == (d.get("name"), d.get("start")):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        except (OSError, ValueError, TypeError, KeyError):
+            pass
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return {"host": host, "killed": killed}
 
 
 def main(argv):

@@ -117,9 +117,11 @@ def test_dry_run_prints_what_the_real_launch_runs(cluster3):
     assert "--include-iface" not in dry.stdout
 
 
-def _job_procs(token, gateway):
-    """Rank processes (by a token in their command line) and this cluster's prted daemons."""
-    return command_lines(lambda cmd: (token in cmd and "mpi4py" in cmd) or ("prted" in cmd and gateway in cmd))
+def _job_procs(token, cluster):
+    """Rank processes (by a token in their command line) and this cluster's prted daemons (by the
+    cluster's own ssh config, which mpirun passes them: an address can appear in other jobs' too)."""
+    config = str(cluster.ssh_config)
+    return command_lines(lambda cmd: (token in cmd and "mpi4py" in cmd) or ("prted" in cmd and config in cmd))
 
 
 def test_sigint_leaves_nothing_alive_on_any_host(cluster3, tmp_path):
@@ -127,7 +129,7 @@ def test_sigint_leaves_nothing_alive_on_any_host(cluster3, tmp_path):
     script = tmp_path / f"{token}.py"
     script.write_text("import time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\nprint('up', flush=True)\ntime.sleep(300)\n")
     def three_ranks_and_daemons():
-        running = _job_procs(token, cluster3.gateway)
+        running = _job_procs(token, cluster3)
         assert len([c for _, c in running if token in c]) == 3, running
         assert any("prted" in c for _, c in running), running
 
@@ -137,7 +139,45 @@ def test_sigint_leaves_nothing_alive_on_any_host(cluster3, tmp_path):
     # When mpirun has to be killed (it had not finished in dtrun's grace period, as on a loaded
     # machine), the remote daemons exit as their connection to it closes: about a second here,
     # several on a loaded 2-core machine.
-    assert wait_until_empty(lambda: _job_procs(token, cluster3.gateway), timeout=15) == []
+    assert wait_until_empty(lambda: _job_procs(token, cluster3), timeout=15) == []
+
+
+def test_sigint_with_a_frozen_daemon_leaves_nothing_alive_on_any_host(cluster3, tmp_path):
+    """A daemon that stops answering (SIGSTOP, as under a stalled host) keeps mpirun from
+    stopping within dtrun's grace, so dtrun kills mpirun; that daemon cannot notice it is
+    orphaned. dtrun then stops what is left of the job on each host itself."""
+    from tests import nscluster
+
+    token = f"dtrun-mh-frozen-{os.getpid()}-{time.monotonic_ns()}"
+    script = tmp_path / f"{token}.py"
+    script.write_text("import time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\nprint('up', flush=True)\n"
+                      "time.sleep(300)\n")
+    frozen_host = cluster3.hosts[1]
+    frozen = []
+
+    def freeze_one_daemon():
+        import psutil
+
+        on_host = set(nscluster._netns_pids(frozen_host.netns))
+        procs = _job_procs(token, cluster3)
+        parents = {psutil.Process(pid).ppid() for pid, cmd in command_lines(lambda c: token in c) if pid in on_host}
+        daemons = [pid for pid, cmd in procs if "prted" in cmd and pid in parents]  # the ranks' own daemon
+        assert daemons, procs
+        for pid in daemons:
+            os.kill(pid, signal.SIGSTOP)
+            frozen.append(pid)
+
+    argv = [DTRUN, "--ssh-config", str(cluster3.ssh_config), "-H", host_list(cluster3, [1, 1, 1]),
+            "--no-tag-output", "python", str(script)]
+    try:
+        assert interrupt_when_up(argv, 3, freeze_one_daemon) == 130
+        assert wait_until_empty(lambda: _job_procs(token, cluster3), timeout=5) == []
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_smoke_passes_on_every_host(cluster3):
