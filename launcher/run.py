@@ -486,6 +486,8 @@ def run_job(argv: Sequence[str], env: Optional[dict] = None, *, timeout: Optiona
 
     old = {}
     for s in STOP_SIGNALS:
+        if s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN:
+            continue  # `nohup dtrun …`: a closed terminal must not stop the job
         try:
             old[s] = signal.signal(s, on_signal)
         except (OSError, ValueError):

@@ -93,6 +93,18 @@ def test_terminating_signal_stops_the_job_and_leaves_nothing(tmp_path, sig, code
     assert wait_until_empty(lambda: processes_with(token)) == [], "ranks left alive"
 
 
+def test_nohup_keeps_the_job_running_through_sighup(tmp_path):
+    """`nohup dtrun …` ignores SIGHUP (a closed terminal): the job runs on and ends by itself."""
+    prog = "import time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\nprint('up', flush=True)\ntime.sleep(3)\n"
+    token, script = _script(tmp_path, prog, "nohup")
+    proc = _start(["nohup", DTRUN, "-np", "2", "--no-tag-output", "python", script])
+    assert proc.stdout.readline().strip() == "up"
+    proc.send_signal(signal.SIGHUP)
+    rc, out, err = _finish(proc)
+    assert rc == 0, err
+    assert "stopped by SIGHUP" not in err
+
+
 def test_pipe_closed_by_head_is_not_blamed_on_a_rank():
     prog = "import time\nfor i in range(100):\n    print('line', i, flush=True)\n    time.sleep(0.05)\n"
     proc = subprocess.Popen([DTRUN, "-np", "2", "python", "-c", prog], stdout=subprocess.PIPE,
