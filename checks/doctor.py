@@ -104,24 +104,40 @@ class DoctorReport:
                 "timings": self.timings}
 
 
+def radix_parent(vpid: int, radix: int) -> int:
+    """The daemon that starts daemon ``vpid`` in Open MPI's routing tree (-1 for mpirun, vpid 0).
+
+    PRRTE's routed/radix (and ORTE's before it) numbers the tree by levels of radix**k
+    daemons: daemon v at a level of L daemons starts v+L, v+2L, ... v+radix*L, so a
+    level's children are interleaved across its daemons (with radix 64: 1 starts 65, 129,
+    ...; 2 starts 66, 130, ...).
+    """
+    if vpid <= 0:
+        return -1
+    total, in_level = 1, 1
+    while total < vpid + 1:
+        in_level *= radix
+        total += in_level
+    first = total - in_level  # the first vpid of vpid's level
+    in_prev = in_level // radix
+    return (vpid - first) % in_prev + (first - in_prev)
+
+
 def tree_spawn_pairs(hosts: list[str], radix: int, launcher_in_list: bool = False) -> list[tuple[str, str]]:
     """(parent, child) ssh hops of Open MPI's routing tree (pure).
 
     mpirun is daemon 0; the hosts get daemons 1..N in order (or 0..N-1 when this host is
-    one of them). Daemon v starts v*radix+1 .. v*radix+radix; daemon 0 is this host, whose
-    own ssh the ssh check already covers.
+    one of them), as PRRTE's ``plm_base_verbose`` shows ("assigning new daemon [..,65] to
+    node h65"). Daemon 0 is this host, whose own ssh the ssh check already covers.
     """
     offset = 0 if launcher_in_list else 1
-    vpid = {h: i + offset for i, h in enumerate(hosts)}
-    by_vpid = {v: h for h, v in vpid.items()}
+    by_vpid = {i + offset: h for i, h in enumerate(hosts)}
     pairs = []
-    for h, v in vpid.items():
-        if v == 0:
-            continue
-        for c in range(v * radix + 1, v * radix + radix + 1):
-            if c in by_vpid:
-                pairs.append((h, by_vpid[c]))
-    return pairs
+    for v, h in sorted(by_vpid.items()):
+        parent = radix_parent(v, radix)
+        if parent > 0 and parent in by_vpid:
+            pairs.append((by_vpid[parent], h))
+    return sorted(pairs, key=lambda p: (hosts.index(p[0]), hosts.index(p[1])))
 
 
 class Progress:
@@ -366,12 +382,13 @@ def _address_on(net, ifs) -> Optional[str]:
 
 def _ssh_hops(spec: DoctorSpec, names: list, launcher_in_list: bool):
     """Which host-to-host ssh hops to try, and why (pure)."""
-    from launcher.command import TREE_SPAWN_HOSTS
+    from launcher.command import tree_radix
 
     if spec.all_pairs:
         return [(a, b) for a in names for b in names if a != b], "--all-pairs"
-    return (tree_spawn_pairs(names, TREE_SPAWN_HOSTS, launcher_in_list),
-            f"{len(names)} hosts: Open MPI's daemons start each other over ssh (tree spawn, radix {TREE_SPAWN_HOSTS})")
+    radix = tree_radix(os.environ)
+    return (tree_spawn_pairs(names, radix, launcher_in_list),
+            f"{len(names)} hosts: Open MPI's daemons start each other over ssh (tree spawn, radix {radix})")
 
 
 def _pairs_phase(spec: DoctorSpec, hosts: _Hosts, rec, ifaces, launcher_ifs, job_cfg):
