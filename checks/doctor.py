@@ -43,6 +43,8 @@ class DoctorSpec:
     program: Optional[str] = None
     e2e: bool = True
     e2e_timeout: Optional[float] = None  # default: e2e.E2E_TIMEOUT_S
+    links: bool = False  # --links: bandwidth and latency between hosts (checks/links.py)
+    links_sample: Optional[int] = None  # random pairs beyond the ring (default: as many as hosts)
 
 
 @dataclass
@@ -88,6 +90,7 @@ class DoctorReport:
     e2e: Optional[dict] = None
     firewall_pairs: dict = field(default_factory=dict)
     interfaces: dict = field(default_factory=dict)  # host -> [{name, up, mtu, addrs}]
+    links: Optional[dict] = None  # --links: the stage's pairs, medians and outliers
 
     @property
     def exit_code(self) -> int:
@@ -101,6 +104,7 @@ class DoctorReport:
                 "summary": {h: {c: self.cell(h, c) for c in CHECKS} for h in self.hosts},
                 "findings": [f.to_dict() for f in self.findings], "recommendation": self.recommendation,
                 "interfaces": self.interfaces, "firewall_pairs": self.firewall_pairs, "e2e": self.e2e,
+                "links": self.links,
                 "timings": self.timings}
 
 
@@ -213,9 +217,13 @@ def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport
         findings += answers.findings(lambda name: "env" if by_name[name].conn or by_name[name].local else "ssh")
         found, rec, ifaces, launcher_ifs, parsed = _analyse(spec, flavor, hosts)
         findings += found
-        fw_pairs = {}
+        fw_pairs, links_summary = {}, None
         if rec is not None:
             found, fw_pairs = _pairs_phase(spec, hosts, rec, ifaces, launcher_ifs, job_cfg)
+            findings += found
+        t_links = time.monotonic()
+        if spec.links and rec is not None:
+            found, links_summary = _links_phase(spec, hosts, rec, ifaces)
             findings += found
     finally:
         for r in hosts.everyone:
@@ -224,6 +232,8 @@ def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport
             if r.conn:
                 r.conn.close()
     t_pairs = time.monotonic()
+    if links_summary is None:
+        t_links = t_pairs
     findings += _not_checked(hosts.runs, findings, rec)
     found, e2e_summary = _end_to_end(spec, hosts.runs, findings, flavor, rec, job_cfg)
     findings += found
@@ -232,7 +242,8 @@ def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport
     timings = {
         "total": round(time.monotonic() - t_start, 3),
         "connect_and_probe": round(t_a - t_start, 3),
-        "pairs": round(t_pairs - t_a, 3),
+        "pairs": round(t_links - t_a, 3),
+        "links": round(t_pairs - t_links, 3),
         "per_host": {r.name: {k: round(v, 3) for k, v in r.times.items()} for r in hosts.everyone},
     }
     helper = hosts.helper
@@ -240,7 +251,7 @@ def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport
     names = [r.name for r in hosts.runs] + ([helper.name] if helper_found else [])
     interfaces = {h: [dataclasses.asdict(i) for i in ifs] for h, ifs in parsed.items()}
     return DoctorReport(names, findings, rec.to_dict(flavor) if rec else None, timings, e2e_summary, fw_pairs,
-                        interfaces)
+                        interfaces, links_summary)
 
 
 def _prepare(spec: DoctorSpec, selection):
@@ -257,7 +268,8 @@ def _prepare(spec: DoctorSpec, selection):
     runs = [HostRun(h.host, h.slots, is_local(h.host)) for h in selection.hosts]
     hosts = _Hosts(runs, None if any(r.local for r in runs) else HostRun(network.LAUNCHER, 0, True))
     # The probes only need paths; the local facts are completed from the local probe's answer.
-    request = dict(env.local_facts(flavor, None, spec.program).probe_request(), listen=True, gpu=True)
+    request = dict(env.local_facts(flavor, None, spec.program).probe_request(), listen=True, gpu=True,
+                   links=spec.links)
     for r in hosts.everyone:
         if r.local:  # starts now, so that it runs while paramiko is imported and the hosts connect
             # Only this host's interfaces and listener are needed when it is not one of the job's hosts.
@@ -425,6 +437,60 @@ def _pairs_phase(spec: DoctorSpec, hosts: _Hosts, rec, ifaces, launcher_ifs, job
     return findings + answers.findings("firewall"), results
 
 
+def _links_phase(spec: DoctorSpec, hosts: _Hosts, rec, ifaces):
+    """--links: each host in turn measures its links to the others (checks/links.py).
+
+    Returns:
+        (findings, the stage's summary for the report).
+    """
+    import ipaddress
+
+    from checks import links
+
+    t0 = time.monotonic()
+    net = ipaddress.ip_network(rec.cidr)
+    live = {r.name: r for r in hosts.runs if r.report and r.report.get("links_port") and r.probe}
+    endpoints = {}
+    for name, r in live.items():
+        a = _address_on(net, ifaces.get(name))
+        if a:
+            endpoints[name] = (a, r.report["links_port"])
+    names = [r.name for r in hosts.runs if r.name in endpoints]
+    plan = links.plan(names, spec.links_sample)
+    base = {"timeout": spec.timeout, "max_bytes": links.MAX_BYTES, "max_seconds": links.MAX_SECONDS,
+            "pings": links.PINGS}
+
+    def measure(pairs) -> tuple[dict, list]:
+        by_src: dict = {}
+        for a, b in pairs:
+            by_src.setdefault(a, []).append([b, *endpoints[b]])
+        out, errors = {}, []
+        for src, targets in by_src.items():  # one host at a time: no two transfers share a link
+            r = live[src]
+            r.step = "links: measuring"
+            try:
+                r.probe.send(dict(base, links=targets))
+                per = 2 * spec.timeout + 4 * links.MAX_SECONDS + 1
+                answer = r.probe.read(len(targets) * per + spec.timeout, "link probe").get("links", {})
+            except CheckError as exc:
+                errors.append(Finding(src, links.CHECK, WARN, f"links not measured: {exc.detail}"))
+                continue
+            for dst, res in answer.items():
+                out[(src, dst)] = res
+            r.step = "links: done"
+        return out, errors
+
+    results, errors = measure(plan)
+    _, slow = links.slow_pairs(results)
+    if slow:  # measure the slow ones again; keep the better figure (a hiccup does not repeat)
+        again, _ = measure(slow)
+        for p, res in again.items():
+            if (res.get("mbps") or 0) > (results[p].get("mbps") or 0):
+                results[p] = res
+    found = links.link_findings(results, names) + errors
+    return found, links.summary(results, time.monotonic() - t0)
+
+
 def _connect_pairs(spec: DoctorSpec, r: HostRun, req: dict) -> dict:
     """One host's probe connects to the others' listeners and runs its ssh hops; its answer."""
     r.step = "firewall: connecting"
@@ -485,6 +551,12 @@ def render(report: DoctorReport) -> None:
         flags = rec["flags"]
         print(f"\nnetwork: use {rec['cidr']} ({rec['reason']}): dtrun applies {flags['dtrun']} itself; "
               f"mpirun: {flags['mpirun']}; NCCL: {flags['nccl']}")
+    if report.links:
+        lk = report.links
+        rate = f"{lk['median_mbps'] / 1000:.1f} Gb/s" if lk.get("median_mbps") else "n/a"
+        rtt = f"{lk['median_rtt_ms']:.2f} ms" if lk.get("median_rtt_ms") is not None else "n/a"
+        print(f"links: {lk['pairs']} pairs measured in {lk['seconds']:.1f} s; median {rate}, round trip {rtt}; "
+              f"{len(lk['slow_pairs'])} slow")
     if report.e2e and report.e2e.get("stages"):
         stages = ", ".join(f"{s} {t:.2f} s" for s, t in report.e2e["stages"].items())
         print(f"end to end: {stages}")
