@@ -87,11 +87,14 @@ SSHD = "/usr/sbin/sshd"  # sshd re-executes itself and insists on an absolute pa
 
 HOST_FAULTS = frozenset({
     "docker0", "firewall", "dead", "blackhole", "bad_path", "no_ld_library_path",
-    "changed_hostkey", "unknown_hostkey", "other_mpi",
+    "changed_hostkey", "unknown_hostkey", "other_mpi", "slow_link",
 })
 CLUSTER_FAULTS = frozenset({"docker0"})
 FAULTS = HOST_FAULTS
 _IPTABLES_FAULTS = frozenset({"firewall", "blackhole"})
+_NETNS_FAULTS = frozenset({"docker0", "slow_link"}) | _IPTABLES_FAULTS  # set up inside the namespace
+# slow_link: a token bucket on the host's eth0 (egress), as tbf is in this kernel and netem is not.
+SLOW_LINK_TBF = ("tbf", "rate", "50mbit", "burst", "32kbit", "latency", "400ms")
 _SSHD_FAULTS = frozenset({"bad_path", "no_ld_library_path", "other_mpi", "changed_hostkey"})
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -406,6 +409,8 @@ class Cluster:
         changed_hostkey: sshd serves a key other than the one in ``known_hosts``.
         unknown_hostkey: the host is missing from ``known_hosts``.
         other_mpi: bare ``mpirun``/``mpiexec`` resolve to Debian's Open MPI 4.1.4.
+        slow_link: ``tc qdisc replace dev eth0 root tbf rate 50mbit burst 32kbit latency
+            400ms``: everything the host sends leaves at 50 Mb/s (a slow NIC among fast ones).
     """
 
     def __init__(self, n: int, *, faults: Mapping[int | str, set[str]] | None = None,
@@ -598,7 +603,7 @@ class Cluster:
         self._start_sshds(starting)
         self._wait_sshd(starting)
         for host in self.hosts:
-            if self._faults[host.name] & ({"docker0"} | _IPTABLES_FAULTS):  # a new host has neither
+            if self._faults[host.name] & _NETNS_FAULTS:  # a new host has none of them
                 self._apply_netns_faults(host)
 
     def down(self) -> None:
@@ -894,6 +899,14 @@ class Cluster:
         elif "docker0" not in faults and has_docker0:
             _ip_batch(["link del docker0"], netns=host.netns)
         self._apply_iptables(host)
+        self._apply_tc(host)
+
+    def _apply_tc(self, host: Host) -> None:
+        tc = ["ip", "netns", "exec", host.netns, "tc", "qdisc"]
+        if "slow_link" in self._faults[host.name]:
+            _run(tc + ["replace", "dev", "eth0", "root", *SLOW_LINK_TBF])
+        elif "tbf" in _run(tc + ["show", "dev", "eth0"], check=False).stdout:
+            _run(tc + ["del", "dev", "eth0", "root"], check=False)
 
     def _apply_iptables(self, host: Host) -> None:
         faults = self._faults[host.name]
@@ -930,7 +943,7 @@ class Cluster:
         if not self._is_up:
             return
         host = self.host(name)
-        if fault in ("docker0", *_IPTABLES_FAULTS):
+        if fault in _NETNS_FAULTS:
             self._apply_netns_faults(host)
         elif fault == "unknown_hostkey":
             self._write_known_hosts()
