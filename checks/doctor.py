@@ -174,9 +174,14 @@ class Progress:
 
 def run_doctor(spec: DoctorSpec) -> int:
     """Resolve the hosts, run every check, print the table (or JSON); return the exit code."""
+    import threading
+
+    from checks import ssh
     from launcher.hosts import resolve_hosts
     from launcher.safe import seconds
 
+    # paramiko's import (~60 ms) goes on while the hosts are resolved and this host's probe starts.
+    threading.Thread(target=ssh.import_paramiko, name="import-paramiko", daemon=True).start()
     seconds(spec.timeout, "--timeout")
     if spec.e2e_timeout is not None:
         seconds(spec.e2e_timeout, "--e2e-timeout")

@@ -385,6 +385,8 @@ def main():
         rep = {"v": PROBE_VERSION, "error": "%s: %s" % (type(exc).__name__, exc)}
     sys.stdout.write(json.dumps(rep) + "\n")
     sys.stdout.flush()
+    # The firewall round's thread pool, imported while doctor reads the reports, not after.
+    threading.Thread(target=__import__, args=("concurrent.futures",), daemon=True).start()
     for line in stdin:
         if not line.strip():
             continue
