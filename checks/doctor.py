@@ -141,7 +141,8 @@ def tree_spawn_pairs(hosts: list[str], radix: int, launcher_in_list: bool = Fals
         parent = radix_parent(v, radix)
         if parent > 0 and parent in by_vpid:
             pairs.append((by_vpid[parent], h))
-    return sorted(pairs, key=lambda p: (hosts.index(p[0]), hosts.index(p[1])))
+    index = {h: i for i, h in enumerate(hosts)}
+    return sorted(pairs, key=lambda p: (index[p[0]], index[p[1]]))
 
 
 class Progress:
@@ -279,7 +280,7 @@ def _prepare(spec: DoctorSpec, selection):
         if r.local:  # starts now, so that it runs while paramiko is imported and the hosts connect
             # Only this host's interfaces and listener are needed when it is not one of the job's hosts.
             own = dict(request, versions=False) if r is not hosts.helper else dict(request, versions=False, gpu=False,
-                                                                                   mpi_load=False)
+                                                                                   mpi_load=False, links=False)
             r.probe = start_probe(r.name, None, own, spec.timeout)
     if not all(r.local for r in runs):
         config = ssh.load_ssh_config(cfg_path)

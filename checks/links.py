@@ -46,7 +46,8 @@ def plan(names: Sequence[str], sample: Optional[int] = None, seed: int = 0) -> l
     if n == 2:
         pairs = [(names[0], names[1]), (names[1], names[0])]
     want = n if sample is None else sample
-    others = [(a, b) for a in names for b in names if a != b and (a, b) not in set(pairs)]
+    ring = set(pairs)
+    others = [(a, b) for a in names for b in names if a != b and (a, b) not in ring]
     rng = random.Random(seed)
     pairs += rng.sample(others, min(want, len(others)))
     return pairs
