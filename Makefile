@@ -12,7 +12,7 @@ N ?= 3
 # wheel on disk (never a multi-GB CUDA build pulled from the registry).
 TORCH_WHEELS ?= /opt/wheels
 
-.PHONY: setup system-packages demo test test-unit bench cluster-up cluster-down clean
+.PHONY: setup system-packages demo test test-unit test-scale bench bench-scale cluster-up cluster-down clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ test: system-packages setup
 test-unit: setup
 	$(BIN)/python -m pytest -m "not cluster and not mpi"
 
+# The scale tier on 65 namespace hosts (Open MPI's tree spawn with the default radix 64);
+# `make test` runs the same tests on 4 hosts with radix 2. Needs root; about 3 minutes.
+SCALE_HOSTS ?= 65
+test-scale: system-packages setup
+	DTRUN_SCALE_HOSTS=$(SCALE_HOSTS) $(BIN)/python -m pytest -m slow tests/test_scale.py
+
 bench: setup
 	mkdir -p bench-results
 	$(BIN)/python benchmarks/bench_launch.py
@@ -47,6 +53,12 @@ bench: setup
 	@if [ "$$(id -u)" = 0 ]; then $(BIN)/python benchmarks/bench_output.py; else echo "bench_output: needs root (namespace hosts)"; fi
 	@if $(BIN)/python -c 'import torch' 2>/dev/null; then $(BIN)/python benchmarks/bench_ddp.py; \
 	else echo "bench_ddp: PyTorch is not installed; skipped"; fi
+
+# 65-host figures: cluster up/down, launch against bare mpirun (Open MPI 5 and 4.1), doctor and
+# the preflight at 1/4/16/64 hosts against parallel ssh, the links stage. Needs root.
+bench-scale: setup
+	mkdir -p bench-results
+	$(BIN)/python benchmarks/bench_scale.py
 
 cluster-up: setup
 	$(BIN)/python -m tests.nscluster up $(N)

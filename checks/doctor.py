@@ -43,6 +43,8 @@ class DoctorSpec:
     program: Optional[str] = None
     e2e: bool = True
     e2e_timeout: Optional[float] = None  # default: e2e.E2E_TIMEOUT_S
+    links: bool = False  # --links: bandwidth and latency between hosts (checks/links.py)
+    links_sample: Optional[int] = None  # random pairs beyond the ring (default: as many as hosts)
 
 
 @dataclass
@@ -88,6 +90,7 @@ class DoctorReport:
     e2e: Optional[dict] = None
     firewall_pairs: dict = field(default_factory=dict)
     interfaces: dict = field(default_factory=dict)  # host -> [{name, up, mtu, addrs}]
+    links: Optional[dict] = None  # --links: the stage's pairs, medians and outliers
 
     @property
     def exit_code(self) -> int:
@@ -101,27 +104,45 @@ class DoctorReport:
                 "summary": {h: {c: self.cell(h, c) for c in CHECKS} for h in self.hosts},
                 "findings": [f.to_dict() for f in self.findings], "recommendation": self.recommendation,
                 "interfaces": self.interfaces, "firewall_pairs": self.firewall_pairs, "e2e": self.e2e,
+                "links": self.links,
                 "timings": self.timings}
+
+
+def radix_parent(vpid: int, radix: int) -> int:
+    """The daemon that starts daemon ``vpid`` in Open MPI's routing tree (-1 for mpirun, vpid 0).
+
+    PRRTE's routed/radix (and ORTE's before it) numbers the tree by levels of radix**k
+    daemons: daemon v at a level of L daemons starts v+L, v+2L, ... v+radix*L, so a
+    level's children are interleaved across its daemons (with radix 64: 1 starts 65, 129,
+    ...; 2 starts 66, 130, ...).
+    """
+    if vpid <= 0:
+        return -1
+    total, in_level = 1, 1
+    while total < vpid + 1:
+        in_level *= radix
+        total += in_level
+    first = total - in_level  # the first vpid of vpid's level
+    in_prev = in_level // radix
+    return (vpid - first) % in_prev + (first - in_prev)
 
 
 def tree_spawn_pairs(hosts: list[str], radix: int, launcher_in_list: bool = False) -> list[tuple[str, str]]:
     """(parent, child) ssh hops of Open MPI's routing tree (pure).
 
     mpirun is daemon 0; the hosts get daemons 1..N in order (or 0..N-1 when this host is
-    one of them). Daemon v starts v*radix+1 .. v*radix+radix; daemon 0 is this host, whose
-    own ssh the ssh check already covers.
+    one of them), as PRRTE's ``plm_base_verbose`` shows ("assigning new daemon [..,65] to
+    node h65"). Daemon 0 is this host, whose own ssh the ssh check already covers.
     """
     offset = 0 if launcher_in_list else 1
-    vpid = {h: i + offset for i, h in enumerate(hosts)}
-    by_vpid = {v: h for h, v in vpid.items()}
+    by_vpid = {i + offset: h for i, h in enumerate(hosts)}
     pairs = []
-    for h, v in vpid.items():
-        if v == 0:
-            continue
-        for c in range(v * radix + 1, v * radix + radix + 1):
-            if c in by_vpid:
-                pairs.append((h, by_vpid[c]))
-    return pairs
+    for v, h in sorted(by_vpid.items()):
+        parent = radix_parent(v, radix)
+        if parent > 0 and parent in by_vpid:
+            pairs.append((by_vpid[parent], h))
+    index = {h: i for i, h in enumerate(hosts)}
+    return sorted(pairs, key=lambda p: (index[p[0]], index[p[1]]))
 
 
 class Progress:
@@ -154,9 +175,14 @@ class Progress:
 
 def run_doctor(spec: DoctorSpec) -> int:
     """Resolve the hosts, run every check, print the table (or JSON); return the exit code."""
+    import threading
+
+    from checks import ssh
     from launcher.hosts import resolve_hosts
     from launcher.safe import seconds
 
+    # paramiko's import (~60 ms) goes on while the hosts are resolved and this host's probe starts.
+    threading.Thread(target=ssh.import_paramiko, name="import-paramiko", daemon=True).start()
     seconds(spec.timeout, "--timeout")
     if spec.e2e_timeout is not None:
         seconds(spec.e2e_timeout, "--e2e-timeout")
@@ -197,9 +223,13 @@ def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport
         findings += answers.findings(lambda name: "env" if by_name[name].conn or by_name[name].local else "ssh")
         found, rec, ifaces, launcher_ifs, parsed = _analyse(spec, flavor, hosts)
         findings += found
-        fw_pairs = {}
+        fw_pairs, links_summary = {}, None
         if rec is not None:
             found, fw_pairs = _pairs_phase(spec, hosts, rec, ifaces, launcher_ifs, job_cfg)
+            findings += found
+        t_links = time.monotonic()
+        if spec.links and rec is not None:
+            found, links_summary = _links_phase(spec, hosts, rec, ifaces)
             findings += found
     finally:
         for r in hosts.everyone:
@@ -208,6 +238,8 @@ def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport
             if r.conn:
                 r.conn.close()
     t_pairs = time.monotonic()
+    if links_summary is None:
+        t_links = t_pairs
     findings += _not_checked(hosts.runs, findings, rec)
     found, e2e_summary = _end_to_end(spec, hosts.runs, findings, flavor, rec, job_cfg)
     findings += found
@@ -216,7 +248,8 @@ def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport
     timings = {
         "total": round(time.monotonic() - t_start, 3),
         "connect_and_probe": round(t_a - t_start, 3),
-        "pairs": round(t_pairs - t_a, 3),
+        "pairs": round(t_links - t_a, 3),
+        "links": round(t_pairs - t_links, 3),
         "per_host": {r.name: {k: round(v, 3) for k, v in r.times.items()} for r in hosts.everyone},
     }
     helper = hosts.helper
@@ -224,7 +257,7 @@ def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport
     names = [r.name for r in hosts.runs] + ([helper.name] if helper_found else [])
     interfaces = {h: [dataclasses.asdict(i) for i in ifs] for h, ifs in parsed.items()}
     return DoctorReport(names, findings, rec.to_dict(flavor) if rec else None, timings, e2e_summary, fw_pairs,
-                        interfaces)
+                        interfaces, links_summary)
 
 
 def _prepare(spec: DoctorSpec, selection):
@@ -241,12 +274,13 @@ def _prepare(spec: DoctorSpec, selection):
     runs = [HostRun(h.host, h.slots, is_local(h.host)) for h in selection.hosts]
     hosts = _Hosts(runs, None if any(r.local for r in runs) else HostRun(network.LAUNCHER, 0, True))
     # The probes only need paths; the local facts are completed from the local probe's answer.
-    request = dict(env.local_facts(flavor, None, spec.program).probe_request(), listen=True, gpu=True)
+    request = dict(env.local_facts(flavor, None, spec.program).probe_request(), listen=True, gpu=True,
+                   links=spec.links)
     for r in hosts.everyone:
         if r.local:  # starts now, so that it runs while paramiko is imported and the hosts connect
             # Only this host's interfaces and listener are needed when it is not one of the job's hosts.
             own = dict(request, versions=False) if r is not hosts.helper else dict(request, versions=False, gpu=False,
-                                                                                   mpi_load=False)
+                                                                                   mpi_load=False, links=False)
             r.probe = start_probe(r.name, None, own, spec.timeout)
     if not all(r.local for r in runs):
         config = ssh.load_ssh_config(cfg_path)
@@ -366,12 +400,13 @@ def _address_on(net, ifs) -> Optional[str]:
 
 def _ssh_hops(spec: DoctorSpec, names: list, launcher_in_list: bool):
     """Which host-to-host ssh hops to try, and why (pure)."""
-    from launcher.command import TREE_SPAWN_HOSTS
+    from launcher.command import tree_radix
 
     if spec.all_pairs:
         return [(a, b) for a in names for b in names if a != b], "--all-pairs"
-    return (tree_spawn_pairs(names, TREE_SPAWN_HOSTS, launcher_in_list),
-            f"{len(names)} hosts: Open MPI's daemons start each other over ssh (tree spawn, radix {TREE_SPAWN_HOSTS})")
+    radix = tree_radix(os.environ)
+    return (tree_spawn_pairs(names, radix, launcher_in_list),
+            f"{len(names)} hosts: Open MPI's daemons start each other over ssh (tree spawn, radix {radix})")
 
 
 def _pairs_phase(spec: DoctorSpec, hosts: _Hosts, rec, ifaces, launcher_ifs, job_cfg):
@@ -406,6 +441,59 @@ def _pairs_phase(spec: DoctorSpec, hosts: _Hosts, rec, ifaces, launcher_ifs, job
     findings += ssh_pair_findings({name: out.get("ssh", {}) for name, out in answers.ok.items()}, why,
                                   bool(spec.all_pairs))
     return findings + answers.findings("firewall"), results
+
+
+def _links_phase(spec: DoctorSpec, hosts: _Hosts, rec, ifaces):
+    """--links: each host in turn measures its links to the others (checks/links.py).
+
+    Returns:
+        (findings, the stage's summary for the report).
+    """
+    import ipaddress
+
+    from checks import links
+
+    t0 = time.monotonic()
+    net = ipaddress.ip_network(rec.cidr)
+    live = {r.name: r for r in hosts.runs if r.report and r.report.get("links_port") and r.probe}
+    endpoints = {}
+    for name, r in live.items():
+        a = _address_on(net, ifaces.get(name))
+        if a:
+            endpoints[name] = (a, r.report["links_port"])
+    names = [r.name for r in hosts.runs if r.name in endpoints]
+    plan = links.plan(names, spec.links_sample)
+    base = {"timeout": spec.timeout, "max_bytes": links.MAX_BYTES, "max_seconds": links.MAX_SECONDS,
+            "pings": links.PINGS}
+
+    def measure(pairs) -> tuple[dict, list]:
+        by_src: dict = {}
+        for a, b in pairs:
+            by_src.setdefault(a, []).append([b, *endpoints[b]])
+        out, errors = {}, []
+        for src, targets in by_src.items():  # one host at a time: no two transfers share a link
+            r = live[src]
+            r.step = "links: measuring"
+            try:
+                r.probe.send(dict(base, links=targets))
+                per = 2 * spec.timeout + 4 * links.MAX_SECONDS + 1
+                answer = r.probe.read(len(targets) * per + spec.timeout, "link probe").get("links", {})
+            except CheckError as exc:
+                errors.append(Finding(src, links.CHECK, WARN, f"links not measured: {exc.detail}"))
+                continue
+            for dst, res in answer.items():
+                out[(src, dst)] = res
+            r.step = "links: done"
+        return out, errors
+
+    results, errors = measure(plan)
+    suspects = links.suspects(results)
+    if suspects:  # measure them again; keep the better figures (a scheduler hiccup does not repeat)
+        again, _ = measure(suspects)
+        for p, res in again.items():
+            results[p] = links.better(results[p], res)
+    found = links.link_findings(results, names) + errors
+    return found, links.summary(results, time.monotonic() - t0)
 
 
 def _connect_pairs(spec: DoctorSpec, r: HostRun, req: dict) -> dict:
@@ -468,6 +556,12 @@ def render(report: DoctorReport) -> None:
         flags = rec["flags"]
         print(f"\nnetwork: use {rec['cidr']} ({rec['reason']}): dtrun applies {flags['dtrun']} itself; "
               f"mpirun: {flags['mpirun']}; NCCL: {flags['nccl']}")
+    if report.links:
+        lk = report.links
+        rate = f"{lk['median_mbps'] / 1000:.1f} Gb/s" if lk.get("median_mbps") else "n/a"
+        rtt = f"{lk['median_rtt_ms']:.2f} ms" if lk.get("median_rtt_ms") is not None else "n/a"
+        print(f"links: {lk['pairs']} pairs measured in {lk['seconds']:.1f} s; median {rate}, round trip {rtt}; "
+              f"{len(lk['slow_pairs'])} slow")
     if report.e2e and report.e2e.get("stages"):
         stages = ", ".join(f"{s} {t:.2f} s" for s, t in report.e2e["stages"].items())
         print(f"end to end: {stages}")

@@ -12,6 +12,9 @@ Protocol, one JSON object per line:
      the port of a TCP listener kept open for the firewall check)
   2. in: optionally ``{"connect": [[label, addr, port], ...], "ssh": [[label, host], ...]}``
      out: the outcome of each connect and each ssh from this host
+  3. in (``dtrun doctor --links``, one host at a time): ``{"links": [[label, addr, port], ...]}``
+     out: for each, the round-trip time and the bandwidth to that host's link listener
+     (started when the first request has ``"links": true``; its port is ``links_port``)
   then stdin closes and the probe exits, closing its listener.
 """
 import json
@@ -194,6 +197,107 @@ class Listener:
                 return
 
 
+class LinkListener:
+    """The far end of a link measurement: echoes pings (``p``), counts bulk bytes (``b``)."""
+
+    def __init__(self):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("0.0.0.0", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _serve(conn):
+        try:
+            conn.settimeout(LINK_IDLE_S)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            mode = conn.recv(1)
+            if mode == b"p":
+                while True:
+                    b = conn.recv(1)
+                    if not b:
+                        break
+                    conn.sendall(b)
+            elif mode == b"b":
+                total = 0
+                while True:
+                    chunk = conn.recv(1 << 20)
+                    if not chunk:
+                        break
+                    total += len(chunk)
+                conn.sendall(str(total).encode())
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+
+LINK_IDLE_S = 10.0
+LINK_CHUNK = b"\0" * (1 << 16)
+
+
+def link_one(addr, port, timeout, max_bytes, max_seconds, pings):
+    """Round-trip time (median of ``pings`` 1-byte echoes) and bulk bandwidth to one link listener.
+
+    The bulk transfer sends until ``max_bytes`` or ``max_seconds``, then waits for the far
+    side's byte count, so data still in socket buffers is counted only once it arrived.
+    """
+    out = {"rtt_ms": None, "mbps": None, "bytes": 0, "seconds": None, "error": None}
+    try:
+        with socket.create_connection((addr, port), timeout=timeout) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.sendall(b"p")
+            rtts = []
+            for _ in range(pings):
+                t0 = time.perf_counter()
+                s.sendall(b"x")
+                if not s.recv(1):
+                    raise OSError("the link listener closed the connection")
+                rtts.append(time.perf_counter() - t0)
+            rtts.sort()
+            out["rtt_ms"] = round(rtts[len(rtts) // 2] * 1000, 3)
+        with socket.create_connection((addr, port), timeout=timeout) as s:
+            s.sendall(b"b")
+            sent, t0 = 0, time.perf_counter()
+            while sent < max_bytes and time.perf_counter() - t0 < max_seconds:
+                s.sendall(LINK_CHUNK)
+                sent += len(LINK_CHUNK)
+            s.shutdown(socket.SHUT_WR)
+            s.settimeout(timeout + max_seconds * 4)
+            ack = b""
+            while True:
+                chunk = s.recv(64)
+                if not chunk:
+                    break
+                ack += chunk
+            dt = time.perf_counter() - t0
+            got = int(ack or b"0")
+            out.update(bytes=got, seconds=round(dt, 4), mbps=round(got * 8 / dt / 1e6, 1))
+    except (OSError, ValueError) as exc:
+        out["error"] = (getattr(exc, "strerror", None) or str(exc) or type(exc).__name__)[:200]
+    return out
+
+
+def links(req):
+    """Measure each link in turn (never two at once: they would share this host's NIC)."""
+    timeout = float(req.get("timeout", 2.0))
+    res = {}
+    for label, addr, port in req.get("links", []):
+        res[label] = link_one(addr, int(port), timeout, int(req.get("max_bytes", 32 << 20)),
+                              float(req.get("max_seconds", 0.3)), int(req.get("pings", 10)))
+    return {"links": res}
+
+
 def connect_one(addr, port, timeout):
     t0 = time.monotonic()
     try:
@@ -254,6 +358,7 @@ def report(req, listener):
         "gpu": gpus(env_path, ld_path) if req.get("gpu", True) else None,
         "python": python_info(paths.get("python"), req.get("mpi_load", True)),
         "port": listener.port if listener else None,
+        "links_port": req.get("links_port"),
     }
     rep["elapsed"] = round(time.monotonic() - t0, 3)
     return rep
@@ -268,17 +373,26 @@ def main():
             listener = Listener()
         except OSError:
             listener = None
+    req["links_port"] = None
+    if req.get("links"):
+        try:
+            req["links_port"] = LinkListener().port
+        except OSError:
+            pass
     try:
         rep = report(req, listener)
     except Exception as exc:  # report what broke rather than die silently
         rep = {"v": PROBE_VERSION, "error": "%s: %s" % (type(exc).__name__, exc)}
     sys.stdout.write(json.dumps(rep) + "\n")
     sys.stdout.flush()
+    # The firewall round's thread pool, imported while doctor reads the reports, not after.
+    threading.Thread(target=__import__, args=("concurrent.futures",), daemon=True).start()
     for line in stdin:
         if not line.strip():
             continue
         try:
-            out = pairs(json.loads(line))
+            ask = json.loads(line)
+            out = links(ask) if "links" in ask else pairs(ask)
         except Exception as exc:
             out = {"error": "%s: %s" % (type(exc).__name__, exc)}
         sys.stdout.write(json.dumps(out) + "\n")

@@ -16,8 +16,11 @@ from launcher.flavors import Flavor
 from launcher.hostfile import HostSlots
 
 DEFAULT_EXCLUDE = ("lo", "docker0")
-# Open MPI's routed tree: from this many daemons on, inner daemons ssh to their children.
+# Open MPI's routed tree (PRRTE's and ORTE's routed/radix): mpirun starts this many daemons
+# itself; past that many hosts, inner daemons ssh to their children.
 TREE_SPAWN_HOSTS = 64
+# Where a user changes the radix: PRRTE (Open MPI 5) and ORTE (Open MPI 4) read these.
+RADIX_ENV = ("PRTE_MCA_routed_radix", "OMPI_MCA_routed_radix")
 # Secret-looking names: these words anywhere in the name ...
 _SECRET = re.compile(r"TOKEN|SECRET|PASSW|PASSPHRASE|CREDENTIAL|PRIVATE|KEY|COOKIE|SESSION|SIGNATURE", re.I)
 # ... or these as a whole part of it (DB_PASS, GITHUB_PAT, X_AUTH, OPENAI_API_BASE; not PATH or PASSAGE).
@@ -60,6 +63,18 @@ class LaunchSpec:
     master_addr: Optional[str] = None  # torch.distributed env:// rendezvous (launcher/rendezvous.py)
     master_port: Optional[int] = None
     pin_gpus: bool = False  # --pin-gpus: the rank wrapper sets CUDA_VISIBLE_DEVICES per local rank
+
+
+def tree_radix(environ) -> int:
+    """The radix of Open MPI's daemon tree: routed_radix from the environment, else 64.
+
+    A value that is not a whole number of at least 1 is ignored, as mpirun would refuse it.
+    """
+    for name in RADIX_ENV:
+        value = (environ.get(name) or "").strip()
+        if value.isdigit() and int(value) >= 1:
+            return int(value)
+    return TREE_SPAWN_HOSTS
 
 
 @dataclass(frozen=True)

@@ -308,7 +308,7 @@ def prepare_launch(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = N
         groups = slurm.build_srun_groups(spec, flavor, launcher_choice.plugins,
                                          launcher_choice.allocation.cpus_per_task, launcher_choice.srun)
         return selection, flavor, spec, groups, launcher_choice
-    if len(selection.hosts) >= cmd.TREE_SPAWN_HOSTS and not spec.no_tree_spawn and flavor.is_openmpi:
+    if len(selection.hosts) > cmd.tree_radix(environ) and not spec.no_tree_spawn and flavor.is_openmpi:
         warn(f"{len(selection.hosts)} hosts: Open MPI spawns daemons through a tree, so inner hosts must ssh to "
              "others; pass --no-tree-spawn if only this host has ssh access to all")
     return selection, flavor, spec, cmd.build_groups(spec, flavor), launcher_choice
@@ -426,6 +426,20 @@ def _launch(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Pre
         # mpirun was seen to exit 0 when scancel killed its daemons' step; a killed job never exits 0.
         print(ended_message(choice.allocation.job_id, ended, "the job was stopped"), file=sys.stderr)
         return result.returncode or signal_exit_code(signal.SIGTERM)
+    if tree_spawn_failure(result, spec, flavor, len(selection.hosts), choice.launcher):
+        result.notes.append(
+            f"{len(selection.hosts)} hosts: Open MPI's daemons start each other over ssh (tree spawn), and mpirun "
+            "failed before any rank started; a host that cannot ssh to its children fails a launch this way "
+            "(Open MPI 5 says nothing about it, 4.1 prints the ssh error with the child's address only): "
+            "`dtrun doctor` names the pair, --no-tree-spawn starts every daemon from this host")
     if result.returncode != 0 or result.notes:
         print(failure_summary(result, spec.log_dir), file=sys.stderr)
     return result.returncode
+
+
+def tree_spawn_failure(result, spec: cmd.LaunchSpec, flavor: Flavor, hosts: int, launcher: str) -> bool:
+    """Whether mpirun failed silently, before any rank, on a launch that used Open MPI's tree spawn."""
+    return (result.returncode != 0 and launcher != "srun" and flavor.is_openmpi and not spec.no_tree_spawn
+            and hosts > cmd.tree_radix(os.environ) and not result.failures and not result.interrupted
+            and not result.timeout and not result.hung and not result.vanished and not result.lost_daemon_host
+            and not result.stdout_closed)

@@ -13,6 +13,7 @@ Library use::
 CLI (state lives in ``/tmp/dtrun-nscluster``, so ``down`` works from another process)::
 
     python -m tests.nscluster up 4 [--fault h2=firewall,bad_path] [--cluster-fault docker0]
+    python -m tests.nscluster up 65 --deny-ssh h1:h65     # h1's key is not authorised on h65
     python -m tests.nscluster status
     python -m tests.nscluster down [PREFIX | --all]
 
@@ -86,11 +87,14 @@ SSHD = "/usr/sbin/sshd"  # sshd re-executes itself and insists on an absolute pa
 
 HOST_FAULTS = frozenset({
     "docker0", "firewall", "dead", "blackhole", "bad_path", "no_ld_library_path",
-    "changed_hostkey", "unknown_hostkey", "other_mpi",
+    "changed_hostkey", "unknown_hostkey", "other_mpi", "slow_link",
 })
 CLUSTER_FAULTS = frozenset({"docker0"})
 FAULTS = HOST_FAULTS
 _IPTABLES_FAULTS = frozenset({"firewall", "blackhole"})
+_NETNS_FAULTS = frozenset({"docker0", "slow_link"}) | _IPTABLES_FAULTS  # set up inside the namespace
+# slow_link: a token bucket on the host's eth0 (egress), as tbf is in this kernel and netem is not.
+SLOW_LINK_TBF = ("tbf", "rate", "50mbit", "burst", "32kbit", "latency", "400ms")
 _SSHD_FAULTS = frozenset({"bad_path", "no_ld_library_path", "other_mpi", "changed_hostkey"})
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -122,6 +126,12 @@ _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{1,7}$")  # "dtv-<prefix>-<i>" must fit 
 _MAX_HOSTS = 99
 _CMD_TIMEOUT = 10.0
 _SSHD_READY_TIMEOUT = 10.0
+# The kernel's ARP table is one table for every namespace: gc_thresh3 (default 1024) caps
+# the entries of all hosts together, and past it new neighbours are refused ("neighbor
+# table overflow"). N hosts that all talk to each other need about N*N entries: 65 hosts
+# connecting all pairs need 4,225, so up() raises the limits (never lowers them).
+_NEIGH_LIMITS = {"gc_thresh2": 8192, "gc_thresh3": 16384}
+_NEIGH_SYSCTL = Path("/proc/sys/net/ipv4/neigh/default")
 
 
 class ClusterError(RuntimeError):
@@ -320,6 +330,15 @@ def _pick_subnet() -> ipaddress.IPv4Network:
     raise ClusterError("no free 10.x.y.0/24 subnet found (checked ip route and ip addr)")
 
 
+def _raise_neigh_limits() -> None:
+    """Make room in the kernel's (machine-wide) ARP table for many hosts talking all pairs."""
+    for name, want in _NEIGH_LIMITS.items():
+        path = _NEIGH_SYSCTL / name
+        with contextlib.suppress(OSError, ValueError):
+            if int(path.read_text()) < want:
+                path.write_text(f"{want}\n")
+
+
 @functools.lru_cache(maxsize=1)
 def cluster_unavailable_reason() -> str | None:
     """Why this machine cannot host a namespace cluster, or None if it can (cached)."""
@@ -375,6 +394,10 @@ class Cluster:
             0-based index into ``hosts``, its full name, or its short name ``"h2"``.
         cluster_faults: faults applied to every host (``{"docker0"}``).
         prefix: name prefix (``[a-z][a-z0-9]{1,7}``); random ``dtXXXX`` by default.
+        deny_ssh: (source, destination) host pairs: the client key is not authorised on
+            the destination when the connection comes from the source (an inner host of
+            Open MPI's tree spawn whose key its child does not accept). ssh from this
+            machine and from every other host still works.
 
     Faults:
         docker0: a bridge ``docker0`` with 172.17.0.1/16, up, inside the host.
@@ -386,11 +409,14 @@ class Cluster:
         changed_hostkey: sshd serves a key other than the one in ``known_hosts``.
         unknown_hostkey: the host is missing from ``known_hosts``.
         other_mpi: bare ``mpirun``/``mpiexec`` resolve to Debian's Open MPI 4.1.4.
+        slow_link: ``tc qdisc replace dev eth0 root tbf rate 50mbit burst 32kbit latency
+            400ms``: everything the host sends leaves at 50 Mb/s (a slow NIC among fast ones).
     """
 
     def __init__(self, n: int, *, faults: Mapping[int | str, set[str]] | None = None,
                  cluster_faults: set[str] | frozenset[str] = frozenset(),
-                 prefix: str | None = None) -> None:
+                 prefix: str | None = None,
+                 deny_ssh: Sequence[tuple[int | str, int | str]] = ()) -> None:
         if not 1 <= n <= _MAX_HOSTS:
             raise ValueError(f"a cluster has 1..{_MAX_HOSTS} hosts, not {n}")
         if prefix is None:
@@ -419,6 +445,12 @@ class Cluster:
             if bad:
                 raise ValueError(f"{name}: unknown faults {sorted(bad)}; known: {sorted(HOST_FAULTS)}")
             self._faults[name] |= set(names)
+        self._denied: set[tuple[str, str]] = set()
+        for src, dst in deny_ssh:
+            pair = (self._resolve_name(src), self._resolve_name(dst))
+            if pair[0] == pair[1]:
+                raise ValueError(f"deny_ssh {pair[0]} -> itself: name two different hosts")
+            self._denied.add(pair)
         self._is_up = False
 
     # -- paths ---------------------------------------------------------------------------
@@ -442,6 +474,10 @@ class Cluster:
     @property
     def authorized_keys(self) -> Path:
         return self.workdir / "authorized_keys"
+
+    def _authorized_keys_of(self, host: Host) -> Path:
+        """The host's own authorized_keys: the client key, refused from denied sources."""
+        return self.workdir / f"authorized_keys_{host.name}"
 
     def _host_key(self, host: Host, alt: bool = False) -> Path:
         return self.workdir / f"hostkey_{host.name}{'_changed' if alt else ''}"
@@ -480,6 +516,21 @@ class Cluster:
     @property
     def faults(self) -> dict[str, frozenset[str]]:
         return {name: frozenset(f) for name, f in self._faults.items()}
+
+    @property
+    def denied_ssh(self) -> frozenset[tuple[str, str]]:
+        """(source, destination) host-name pairs whose host-to-host ssh is refused."""
+        return frozenset(self._denied)
+
+    def deny_ssh(self, src: int | str | Host, dst: int | str | Host, deny: bool = True) -> None:
+        """Refuse (or, with deny=False, allow again) ssh from ``src`` into ``dst`` (running or not)."""
+        pair = (self._resolve_name(src), self._resolve_name(dst))
+        if pair[0] == pair[1]:
+            raise ValueError(f"deny_ssh {pair[0]} -> itself: name two different hosts")
+        (self._denied.add if deny else self._denied.discard)(pair)
+        if self._is_up:
+            self._write_authorized_keys()  # sshd reads the file at each login: no restart
+            self._write_state()
 
     def __repr__(self) -> str:
         return f"Cluster({self.n}, prefix={self.prefix!r}, subnet={self.subnet!r}, up={self._is_up})"
@@ -547,12 +598,13 @@ class Cluster:
         self._open_root_firewall()
         self._finish_keygens(keygens)
         self._write_ssh_files()
+        _raise_neigh_limits()
         starting = [h for h in self.hosts if "dead" not in self._faults[h.name]]
-        for host in starting:
-            self._start_sshd(host, wait=False)
+        self._start_sshds(starting)
         self._wait_sshd(starting)
         for host in self.hosts:
-            self._apply_netns_faults(host)
+            if self._faults[host.name] & _NETNS_FAULTS:  # a new host has none of them
+                self._apply_netns_faults(host)
 
     def down(self) -> None:
         """Remove everything up() made. Safe to call at any point, and more than once."""
@@ -581,6 +633,7 @@ class Cluster:
         cluster.cluster_faults = frozenset(data.get("cluster_faults", []))
         cluster.hosts = [Host(**h) for h in data.get("hosts", [])]
         cluster._faults = {k: set(v) for k, v in data.get("faults", {}).items()} or cluster._faults
+        cluster._denied = {tuple(p) for p in data.get("denied_ssh", [])}
         cluster._is_up = bool(cluster.hosts)
         return cluster
 
@@ -592,6 +645,7 @@ class Cluster:
             "hosts": [dataclasses.asdict(h) for h in self.hosts],
             "faults": {k: sorted(v) for k, v in self._faults.items()},
             "cluster_faults": sorted(self.cluster_faults),
+            "denied_ssh": sorted(self._denied),
         }
 
     def _write_state(self) -> None:
@@ -656,6 +710,7 @@ class Cluster:
 
     def _write_ssh_files(self) -> None:
         self.authorized_keys.write_text(Path(f"{self.client_key}.pub").read_text())
+        self._write_authorized_keys()
         blocks = []
         for host in self.hosts:
             blocks.append(
@@ -675,6 +730,17 @@ class Cluster:
                                    + "\n".join(blocks))
         self.hostfile.write_text("".join(f"{h.name} slots=1\n" for h in self.hosts))
         self._write_known_hosts()
+
+    def _write_authorized_keys(self) -> None:
+        """One authorized_keys per host; ``from="!ADDR,*"`` refuses the key from denied sources."""
+        key = self.authorized_keys.read_text().strip()
+        for host in self.hosts:
+            refused = sorted(self.host(src).addr for src, dst in self._denied if dst == host.name)
+            opts = ('from="' + ",".join(f"!{a}" for a in refused) + ',*" ') if refused else ""
+            path = self._authorized_keys_of(host)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(f"{opts}{key}\n")
+            tmp.replace(path)
 
     def _write_known_hosts(self) -> None:
         lines = []
@@ -717,7 +783,7 @@ class Cluster:
             f"ListenAddress {host.addr}:22\n"
             f"HostKey {q(key)}\n"
             f"PidFile {q(self._sshd_pidfile(host))}\n"
-            f"AuthorizedKeysFile {q(self.authorized_keys)}\n"
+            f"AuthorizedKeysFile {q(self._authorized_keys_of(host))}\n"
             "PermitRootLogin prohibit-password\n"
             "PubkeyAuthentication yes\n"
             "PasswordAuthentication no\n"
@@ -748,6 +814,32 @@ class Cluster:
         _run(self._netns_argv(host, [SSHD, "-f", str(conf), "-E", str(log)]))
         if wait:
             self._wait_sshd([host])
+
+    def _start_sshds(self, hosts: Sequence[Host]) -> None:
+        """Start the hosts' sshd all at once (each daemonises after binding); bounded wait."""
+        Path("/run/sshd").mkdir(parents=True, exist_ok=True)
+        procs = []
+        for host in hosts:
+            self._sshd_pidfile(host).unlink(missing_ok=True)
+            conf = self._write_sshd_config(host)
+            log = self.workdir / f"sshd_{host.name}.log"
+            argv = self._netns_argv(host, [SSHD, "-f", str(conf), "-E", str(log)])
+            procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True))
+        deadline = time.monotonic() + _CMD_TIMEOUT
+        failed = []
+        for host, proc in zip(hosts, procs):
+            try:
+                _, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                failed.append(f"{host.name}: sshd did not start within {_CMD_TIMEOUT:g} s")
+                continue
+            if proc.returncode != 0:
+                failed.append(f"{host.name}: sshd exited {proc.returncode}: {err.strip()}")
+        if failed:
+            raise ClusterError("; ".join(failed))
 
     def _stop_sshd(self, host: Host) -> None:
         pidfile = self._sshd_pidfile(host)
@@ -807,6 +899,14 @@ class Cluster:
         elif "docker0" not in faults and has_docker0:
             _ip_batch(["link del docker0"], netns=host.netns)
         self._apply_iptables(host)
+        self._apply_tc(host)
+
+    def _apply_tc(self, host: Host) -> None:
+        tc = ["ip", "netns", "exec", host.netns, "tc", "qdisc"]
+        if "slow_link" in self._faults[host.name]:
+            _run(tc + ["replace", "dev", "eth0", "root", *SLOW_LINK_TBF])
+        elif "tbf" in _run(tc + ["show", "dev", "eth0"], check=False).stdout:
+            _run(tc + ["del", "dev", "eth0", "root"], check=False)
 
     def _apply_iptables(self, host: Host) -> None:
         faults = self._faults[host.name]
@@ -843,7 +943,7 @@ class Cluster:
         if not self._is_up:
             return
         host = self.host(name)
-        if fault in ("docker0", *_IPTABLES_FAULTS):
+        if fault in _NETNS_FAULTS:
             self._apply_netns_faults(host)
         elif fault == "unknown_hostkey":
             self._write_known_hosts()
@@ -997,11 +1097,22 @@ def _parse_fault_specs(specs: Sequence[str]) -> dict[str, set[str]]:
     return faults
 
 
+def _parse_pair(spec: str) -> tuple[int | str, int | str]:
+    """``"h1:h65"`` -> ``("h1", "h65")`` (a host is h1.., a full name, or a 0-based index)."""
+    src, sep, dst = spec.partition(":")
+    if not sep or not src or not dst:
+        raise ValueError(f"--deny-ssh {spec!r}: expected SRC:DST, e.g. h1:h65")
+    return tuple(int(h) if h.isdigit() else h for h in (src, dst))
+
+
 def _print_cluster(cluster: Cluster) -> None:
     print(f"cluster {cluster.prefix}: {cluster.n} hosts on {cluster.subnet} "
           f"(bridge {cluster.bridge}, gateway {cluster.gateway})")
     for host in cluster.hosts:
         faults = ",".join(sorted(cluster.faults_of(host))) or "healthy"
+        denied = sorted(src for src, dst in cluster.denied_ssh if dst == host.name)
+        if denied:
+            faults += f"; refuses ssh from {', '.join(denied)}"
         print(f"  {host.name:<14} {host.addr:<15} {faults}")
     print(f"ssh config: {cluster.ssh_config}")
     print(f"hostfile:   {cluster.hostfile}")
@@ -1024,6 +1135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                            f"FAULT one of {', '.join(sorted(HOST_FAULTS))}")
     p_up.add_argument("--cluster-fault", "--cluster-faults", action="append", default=[],
                       metavar="FAULT", help="fault for every host (docker0)")
+    p_up.add_argument("--deny-ssh", action="append", default=[], metavar="SRC:DST",
+                      help="refuse ssh from host SRC into host DST (the client key is not authorised there "
+                           "from SRC), e.g. h1:h65")
     p_up.add_argument("--prefix", help="name prefix (default: random dtXXXX)")
     p_up.add_argument("--hold", action="store_true",
                       help="stay in the foreground; tear down on Ctrl-C / SIGTERM")
@@ -1042,7 +1156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             faults = _parse_fault_specs(args.fault)
             cluster_faults = {f.strip() for spec in args.cluster_fault for f in spec.split(",") if f.strip()}
-            cluster = Cluster(args.n, faults=faults, cluster_faults=cluster_faults, prefix=args.prefix)
+            deny = [_parse_pair(spec) for spec in args.deny_ssh]
+            cluster = Cluster(args.n, faults=faults, cluster_faults=cluster_faults, prefix=args.prefix,
+                              deny_ssh=deny)
         except (ValueError, KeyError) as exc:
             parser.error(str(exc.args[0]) if exc.args else str(exc))
         try:

@@ -2,7 +2,7 @@
 import pytest
 
 from checks import e2e, env, gpu
-from checks.doctor import ssh_pair_findings, tree_spawn_pairs
+from checks.doctor import radix_parent, ssh_pair_findings, tree_spawn_pairs
 from checks.result import FAIL, NA, OK, WARN, Finding, worst
 
 VENV = "/opt/venv/bin"
@@ -182,10 +182,13 @@ def test_nvidia_smi_failure():
 def test_tree_spawn_pairs():
     hosts = [f"n{i}" for i in range(1, 201)]
     assert tree_spawn_pairs(hosts[:64], 64) == []
+    # PRRTE's routed/radix: daemon v of a level of L daemons starts v+L, v+2L, ... (interleaved).
     pairs = tree_spawn_pairs(hosts[:70], 64)
-    assert pairs == [("n1", f"n{i}") for i in range(65, 71)]
+    assert pairs == [(f"n{i - 64}", f"n{i}") for i in range(65, 71)]
     big = tree_spawn_pairs(hosts, 64)
-    assert ("n2", "n129") in big and ("n3", "n200") in big and len(big) == 200 - 64
+    assert ("n1", "n65") in big and ("n1", "n129") in big and ("n8", "n200") in big and len(big) == 200 - 64
+    assert tree_spawn_pairs(hosts[:6], 2) == [("n1", "n3"), ("n1", "n5"), ("n2", "n4"), ("n2", "n6")]
+    assert [radix_parent(v, 64) for v in (0, 1, 64, 65, 66, 128, 129, 4160, 4161)] == [-1, 0, 0, 1, 2, 64, 1, 64, 65]
     # This host in the list is daemon 0; its ssh is the ssh check itself.
     assert tree_spawn_pairs(["localhost"] + hosts[:65], 64, launcher_in_list=True) == [("n1", "n65")]
 
