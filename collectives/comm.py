@@ -31,6 +31,8 @@ from .errors import (CollectiveError, MismatchError, MPIError, NotContiguousErro
                      ShapeError, UnsupportedDtypeError)
 from . import recorder as _rec
 from .handle import Handle
+from . import tuning as _tuning
+from .ring import Ring
 from .shm import SINGLE_STEP_MAX, ShmReducer
 from .sizes import env_bytes
 
@@ -75,14 +77,23 @@ class Comm:
             several hosts on one machine). Must be a split of ``mpi_comm`` whose
             members share memory.
         shm_threshold: smallest allreduce (bytes) that takes the shared-memory path
-            (default: env ``DTRUN_SHM_THRESHOLD`` or 256 KiB; below it MPI is faster).
+            (default: env ``DTRUN_SHM_THRESHOLD``, else measured: see below).
         shm_chunk: bytes per rank and step of the shared-memory path (default: env
-            ``DTRUN_SHM_CHUNK`` or 512 KiB, so a step stays in L2 cache).
+            ``DTRUN_SHM_CHUNK``, else measured).
+        path: take this allreduce path at every size ("mpi", "shm", "shm+hierarchical",
+            "shm+ring", "ring"; default: env ``DTRUN_ALLREDUCE_PATH``, else measured).
+
+    The allreduce path for each size (MPI, shared memory with a chunk size,
+    hierarchical, ring) is measured at creation on hosts where there is a choice, and
+    cached per host and MPI (``tuning.py``); ``allreduce_path(nbytes)`` says which one
+    a size takes and ``allreduce_reason(nbytes)`` why. A threshold or chunk given here
+    or in the environment fixes the rule instead (shm at or above the threshold).
     """
 
     def __init__(self, mpi_comm: MPI.Intracomm | None = None, *, check: bool | None = None,
                  shm: bool | None = None, node_comm: MPI.Intracomm | None = None,
-                 shm_threshold: int | None = None, shm_chunk: int | None = None) -> None:
+                 shm_threshold: int | None = None, shm_chunk: int | None = None,
+                 path: str | None = None) -> None:
         comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         self.mpi = comm
         self.rank = comm.Get_rank()
@@ -108,16 +119,17 @@ class Comm:
         self.fusion_threshold = env_bytes("DTRUN_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)
         use_shm = (os.environ.get("DTRUN_SHM", "1").strip() != "0") if shm is None else shm
         self._shm: ShmReducer | None = None
-        self._shm_threshold = (env_bytes("DTRUN_SHM_THRESHOLD", DEFAULT_SHM_THRESHOLD)
-                               if shm_threshold is None else int(shm_threshold))
         self._cross_comm: MPI.Intracomm | None = None
+        self._cross_ring: Ring | None = None  # the inter-node step of "shm+ring"
+        self._ring: Ring | None = None        # "ring": all ranks, on a private Dup
         if use_shm and self.local_size > 1 and (self.nnodes == 1 or self._uniform_nodes):
             if self.nnodes > 1:
                 # Ranks with the same local rank on every host: the inter-node step.
                 self._cross_comm = comm.Split(self.local_rank, self.node)
-            chunk = env_bytes("DTRUN_SHM_CHUNK", DEFAULT_SHM_CHUNK) if shm_chunk is None \
-                else int(shm_chunk)
-            self._shm = ShmReducer(node_comm, self._cross_comm, chunk)
+                self._cross_ring = Ring(self._cross_comm)
+            self._shm = ShmReducer(node_comm, self._cross_comm, DEFAULT_SHM_CHUNK)
+        if self.nnodes > 1:
+            self._ring = Ring(comm.Dup())
         self._opcache: dict[tuple[np.dtype, str], tuple] = {}
         self._fusion_bufs: dict[np.dtype, np.ndarray] = {}
         self._group_plans: dict[tuple, tuple] = {}
@@ -126,11 +138,70 @@ class Comm:
         self._seq = 0
         self._rec = None  # ring view of the flight recorder, when this Comm owns it
         self._rec_map = None
+        self._paths = self._select_paths(use_shm, shm_threshold, shm_chunk, path)
         if not _REC_TAKEN[0] and comm == MPI.COMM_WORLD:
             ring = _rec.open_ring(self.rank)
             if ring is not None:
                 _REC_TAKEN[0] = True
                 self._rec_map, self._rec = ring
+
+    def _select_paths(self, use_shm: bool, shm_threshold: int | None,
+                      shm_chunk: int | None, path: str | None) -> "_tuning.Table":
+        """The allreduce path table (collective when it measures): see tuning.py."""
+        env = os.environ
+        cands = _tuning.candidates(self._shm is not None, self.nnodes, self._uniform_nodes,
+                                   self.local_size)
+        if self.size == 1 or len(cands) == 1:
+            why = ("one rank" if self.size == 1 else "DTRUN_SHM=0" if not use_shm else
+                   "no shared-memory peers on this host" if self.local_size == 1 else
+                   "hosts with different rank counts")
+            return _tuning.Table.fixed("mpi", 0, 0, f"only mpi applies ({why})")
+        shm_path = "shm+hierarchical" if self._cross_comm is not None else "shm"
+        forced = path or env.get("DTRUN_ALLREDUCE_PATH", "").strip()
+        if forced:
+            origin = f"path={forced!r}" if path else f"env DTRUN_ALLREDUCE_PATH={forced}"
+            valid = {p for p, _ in cands}
+            if forced not in valid:
+                raise ValueError(f"{origin}: this layout offers {', '.join(sorted(valid))}")
+            chunk = env_bytes("DTRUN_SHM_CHUNK", DEFAULT_SHM_CHUNK) if shm_chunk is None \
+                else int(shm_chunk)
+            return _tuning.Table.fixed(forced, 0, chunk, origin)
+        env_t, env_c = env.get("DTRUN_SHM_THRESHOLD", "").strip(), env.get("DTRUN_SHM_CHUNK", "").strip()
+        tune = env.get("DTRUN_TUNE", "1").strip().lower()
+        if shm_threshold is not None or shm_chunk is not None or env_t or env_c or tune == "0":
+            threshold = (env_bytes("DTRUN_SHM_THRESHOLD", DEFAULT_SHM_THRESHOLD)
+                         if shm_threshold is None else int(shm_threshold))
+            chunk = env_bytes("DTRUN_SHM_CHUNK", DEFAULT_SHM_CHUNK) if shm_chunk is None \
+                else int(shm_chunk)
+            given = [name for name, v in (("shm_threshold", shm_threshold), ("shm_chunk", shm_chunk))
+                     if v is not None]
+            given += [f"env {name}={v}" for name, v in (("DTRUN_SHM_THRESHOLD", env_t),
+                                                        ("DTRUN_SHM_CHUNK", env_c)) if v]
+            source = ", ".join(given) if given else "built-in default (DTRUN_TUNE=0)"
+            if self._shm is None:  # the rule is about shared memory, which does not apply
+                return _tuning.Table.fixed("mpi", 0, 0, f"{source} (no shared memory here)")
+            return _tuning.Table.fixed(shm_path, threshold, chunk, source)
+        return _tuning.calibrated(self.mpi, self.host, self.local_size, self.nnodes, cands,
+                                  self._calibration_run, refresh=tune == "refresh")
+
+    def _calibration_run(self, cand: tuple[str, int], src: np.ndarray, dst: np.ndarray,
+                         inplace: bool) -> None:
+        """One float32 sum allreduce of ``src`` into ``dst`` along candidate path ``cand``."""
+        t, mop, kern, finish, _, _ = self._redop(src, SUM, "allreduce")
+        self._via(cand[0], cand[1], src, dst, inplace, t, mop, kern, finish)
+
+    def _via(self, path: str, chunk: int, src: np.ndarray, dst: np.ndarray, inplace: bool,
+             t, mop, kern, finish) -> None:
+        """Allreduce ``src`` into ``dst`` (the same array when ``inplace``) along ``path``."""
+        if path == "mpi":
+            self.mpi.Allreduce(IN_PLACE if inplace else [src, t], [dst, t], mop)
+            if finish is not None:
+                finish(dst)
+        elif path == "ring":
+            self._ring.allreduce(src, dst, kern, finish)
+        else:  # shm, shm+hierarchical, shm+ring
+            self._shm.allreduce(src, dst, kern, t, mop, finish, chunk,
+                                self._cross_ring if path == "shm+ring" else None)
 
     # ------------------------------------------------------------------ helpers
     def __repr__(self) -> str:
@@ -275,12 +346,28 @@ class Comm:
         """Sub-communicator of the ranks on this host (collective)."""
         return Comm(self._node_comm.Dup(), check=self.check, shm=self._shm is not None)
 
-    def allreduce_path(self, nbytes: int) -> str:
-        """Which path a host allreduce of ``nbytes`` takes: "shm", "shm+hierarchical"
-        (shared memory within hosts, MPI between them) or "mpi"."""
-        if self._shm is None or nbytes < self._shm_threshold:
-            return "mpi"
-        return "shm+hierarchical" if self._cross_comm is not None else "shm"
+    def allreduce_path(self, nbytes: int, inplace: bool = False) -> str:
+        """Which path a host allreduce of ``nbytes`` takes: "mpi" (MPI_Allreduce), "shm"
+        (shared memory), "shm+hierarchical" (shared memory within hosts, MPI between
+        them), "shm+ring" (shared memory within hosts, a ring between them) or "ring"
+        (a ring over all ranks). The same on every rank."""
+        return self._paths.pick(int(nbytes), inplace)[0]
+
+    def allreduce_reason(self, nbytes: int, inplace: bool = False) -> str:
+        """Why ``allreduce_path(nbytes)``: the path, its chunk, and how it was chosen,
+        e.g. "shm (chunk 512 KiB): calibrated on host/Open MPI v5.0.11 at … (cached):
+        shm 1.80x mpi at 4 MiB out of place" or "…: env DTRUN_SHM_THRESHOLD=1M: …"."""
+        return self._paths.explain(int(nbytes), inplace)
+
+    def allreduce_paths(self) -> list[dict]:
+        """The decision table: one row per measured size and variant (benchmarks print it)."""
+        rows = []
+        for ip in (0, 1):
+            for size in _tuning.BUCKETS:
+                path, chunk = self._paths.pick(size, bool(ip))
+                rows.append({"size": size, "inplace": bool(ip), "path": path, "chunk": chunk,
+                             "reason": self._paths.explain(size, bool(ip))})
+        return rows
 
     def free(self) -> None:
         """Release the shared-memory window (collective over the node) and the cached
@@ -291,6 +378,7 @@ class Comm:
         if self._shm is not None:
             self._shm.free()
             self._shm = None
+        self._paths = _tuning.Table.fixed("mpi", 0, 0, "freed")
 
     # ---------------------------------------------------------------- running an op
     def _errors(self, op: str) -> "_MpiErrors":
@@ -412,13 +500,15 @@ class Comm:
 
     def _allreduce(self, x, op, out, inplace, xp):
         c = self._allreduce_op(x, op, out, inplace, xp, "allreduce")
-        shm = self._shm
-        if shm is not None and xp is np and x.nbytes >= self._shm_threshold:
-            t, mop, kern, finish, _, _ = self._redop(x, op, "allreduce")  # cached by the set-up
+        paths = self._paths
+        if x.nbytes >= paths.floor and xp is np:  # small messages: one comparison
             out = c[2]
-            with self._errors("allreduce"):
-                shm.allreduce(x, out, kern, t, mop, finish)
-            return out
+            path, chunk = paths.pick(x.nbytes, out is x)
+            if path != "mpi":
+                t, mop, kern, finish, _, _ = self._redop(x, op, "allreduce")  # cached
+                with self._errors("allreduce"):
+                    self._via(path, chunk, x, out, out is x, t, mop, kern, finish)
+                return out
         return self._run("allreduce", c)
 
     def iallreduce(self, x: Any, op: str = SUM, out: Any = None, inplace: bool = False) -> Handle:
@@ -753,7 +843,8 @@ class Comm:
             datatype, memory, dtype, count = step
             nbytes = count * dtype.itemsize
             shm = self._shm
-            if shm is not None and self._shm_threshold <= nbytes <= SINGLE_STEP_MAX:
+            path = self._paths.pick(nbytes, True)[0] if shm is not None else "mpi"
+            if path.startswith("shm") and nbytes <= SINGLE_STEP_MAX:
                 # Pack straight into this rank's shared slot, unpack straight out of the
                 # shared result: no intermediate fusion buffer at all.
                 rep = self._fusion_rep(dtype)
@@ -761,7 +852,7 @@ class Comm:
                 shm.allreduce_packed(
                     count, dtype, lambda v: datatype.Pack(memory, v, 0, MPI.COMM_SELF),
                     lambda v: datatype.Unpack(v, 0, memory, MPI.COMM_SELF), kern, t, mop,
-                    finish)
+                    finish, self._cross_ring if path == "shm+ring" else None)
                 continue
             buf = self._fusion_bufs.get(dtype)
             if buf is None or buf.size < count:
