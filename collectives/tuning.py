@@ -27,7 +27,8 @@ Overrides, strongest first (same on every rank, as dtrun forwards the environmen
 path at every size), an explicit ``shm_threshold``/``shm_chunk`` or
 ``DTRUN_SHM_THRESHOLD``/``DTRUN_SHM_CHUNK`` (the fixed rule: shm at or above the
 threshold, with that chunk), ``DTRUN_TUNE=0`` (the fixed rule with the built-in
-defaults), ``DTRUN_TUNE=refresh`` (measure again and rewrite the cache entry).
+defaults), ``DTRUN_TUNE=refresh`` (measure again and rewrite the cache entry). A measurement taken while the load average
+exceeds ``DTRUN_TUNE_MAX_LOAD`` (default 3) times the cores is used but not cached.
 """
 
 from __future__ import annotations
@@ -43,15 +44,18 @@ import numpy as np
 from . import cache
 from ._mpi import MPI
 
-VERSION = 1
+VERSION = 2
 PATHS = ("mpi", "shm", "shm+hierarchical", "shm+ring", "ring")
 BUCKETS = tuple(256 * 4 ** i for i in range(9))  # 256 B .. 16 MiB
 CHUNKS = (128 << 10, 512 << 10, 2 << 20)
-ROUNDS = 3          # timed rounds per candidate (plus one untimed warm-up round)
-ROUND_MIN_S = 150e-6  # a timed round repeats the call until it lasts about this long
+ROUNDS = 3          # timed rounds per candidate (plus one untimed warm-up round) ...
+ROUNDS_SMALL = 7    # ... and up to 64 KiB, where rounds are cheap and noise is relatively large
+ROUND_MIN_S = 200e-6  # a timed round repeats the call until it lasts about this long
+MARGIN = 0.97       # another path must take under 97 % of MPI's time: on a tie, MPI
 BUDGET_S = 0.6      # past this, larger sizes take the decision of the largest measured
 CACHE_FILE = "collectives-tuning.json"
 CACHE_ENTRIES = 32  # newest kept
+OVERLOAD = 3.0      # load average per core above which a measurement is not cached
 
 
 def _mib(n: int) -> str:
@@ -163,7 +167,7 @@ def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
         x = np.zeros(nbytes // 4, dtype=np.float32)  # zeros: sums stay finite however often
         y = np.zeros_like(x)
         iters = np.ones((2, len(cands)), dtype=np.int64)
-        for rnd in range(ROUNDS + 1):
+        for rnd in range((ROUNDS_SMALL if nbytes <= 64 << 10 else ROUNDS) + 1):
             for ci, cand in enumerate(cands):
                 if not applies(cand, nbytes):
                     continue
@@ -187,7 +191,8 @@ def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
 
 
 def decide(times: np.ndarray, cands: list[tuple[str, int]]) -> list[list[tuple]]:
-    """rows[inplace][bucket] = (path, chunk, t_path, t_mpi): the fastest, MPI on a tie."""
+    """rows[inplace][bucket] = (path, chunk, t_path, t_mpi): the fastest, MPI on a tie
+    (another path must be ``MARGIN`` faster: measurement noise must not pick a loser)."""
     rows: list[list[tuple]] = [[], []]
     for ip in (0, 1):
         for si in range(len(BUCKETS)):
@@ -197,7 +202,7 @@ def decide(times: np.ndarray, cands: list[tuple[str, int]]) -> list[list[tuple]]
                 rows[ip].append(rows[ip][-1][:2] + (-1.0, -1.0))
                 continue
             k = int(np.argmin(t))
-            if not t[k] < t[0]:
+            if not t[k] < MARGIN * t[0]:
                 k = 0
             path, chunk = cands[k]
             rows[ip].append((path, int(chunk), float(t[k]), float(t[0])))
@@ -265,24 +270,38 @@ def calibrated(mpi: MPI.Intracomm, host: str, local_size: int, nnodes: int,
         rows = [[tuple(r) for r in v] for v in entry["rows"]]
         return Table(rows, f"calibrated on {hosts[0]}/{_mpi_name()} at {entry['when']} "
                            f"(cached, took {entry.get('took_s', 0):.2f} s)")
+    load0 = _load()
     t0 = time.perf_counter()
     times = measure(mpi, cands, run)
     took = time.perf_counter() - t0
     entry = None
     if mpi.Get_rank() == 0:
+        load = max(load0, _load())
         entry = {"rows": decide(times, cands), "took_s": round(took, 3),
-                 "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                 "load": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
-        doc = cache.load(path)
-        doc[key] = entry
-        while len(doc) > CACHE_ENTRIES:  # drop the oldest entries
-            doc.pop(min(doc, key=lambda k: str(doc[k].get("when", "")) if
-                        isinstance(doc[k], dict) else ""))
-        cache.save(path, doc)
+                 "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load": round(load, 2)}
+        # On a host loaded far beyond its cores the timings say more about the other jobs
+        # than about the paths: use them for this communicator, keep them out of the cache.
+        limit = float(os.environ.get("DTRUN_TUNE_MAX_LOAD", "") or OVERLOAD)
+        busy = load > limit * (os.cpu_count() or 1)
+        entry["note"] = f"; not cached: load {load:.1f} on {os.cpu_count()} cores" if busy else ""
+        if not busy:
+            doc = cache.load(path)
+            doc[key] = entry
+            while len(doc) > CACHE_ENTRIES:  # drop the oldest entries
+                doc.pop(min(doc, key=lambda k: str(doc[k].get("when", "")) if
+                            isinstance(doc[k], dict) else ""))
+            cache.save(path, doc)
     entry = _bcast_json(mpi, entry)
     rows = [[tuple(r) for r in v] for v in entry["rows"]]
     return Table(rows, f"calibrated on {hosts[0]}/{_mpi_name()} at {entry['when']} "
-                       f"(now, took {entry['took_s']:.2f} s)")
+                       f"(now, took {entry['took_s']:.2f} s{entry['note']})")
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return 0.0
 
 
 def _mpi_name() -> str:
