@@ -10,7 +10,11 @@ with crossovers that move with the host (cache sizes, core count, the MPI build)
   between), ``shm+ring`` (shm within hosts, a ring between), ``ring`` (a flat ring
   over all ranks) — each only where it applies;
 * sizes: ``BUCKETS`` (256 B to 16 MiB, factor 4), out of place and in place; a size
-  takes the decision of the nearest bucket (log scale), above 16 MiB the 16 MiB one;
+  takes the decision of the nearest bucket (log scale), above 16 MiB the 16 MiB one.
+  Across hosts from 64 KiB only (smaller sizes are latency-bound: MPI), one timed
+  round each. Larger sizes are skipped once their predicted cost would overrun the
+  time budget (0.6 s on one host, 3 s across hosts) and take the largest measured
+  size's decision;
 * each candidate is timed in alternating rounds, each rank keeps its best round, the
   slowest rank's time counts (an allreduce is as slow as its slowest rank);
 * rank 0 decides (fastest candidate; MPI on a tie) and broadcasts the table, so every
@@ -53,6 +57,9 @@ ROUNDS_SMALL = 7    # ... and up to 64 KiB, where rounds are cheap and noise is 
 ROUND_MIN_S = 200e-6  # a timed round repeats the call until it lasts about this long
 MARGIN = 0.97       # another path must take under 97 % of MPI's time: on a tie, MPI
 BUDGET_S = 0.6      # past this, larger sizes take the decision of the largest measured
+HOSTS_BUDGET_S = 3.0  # the same across hosts (slower networks, more candidates)
+HOSTS_FIRST = 4     # across hosts, sizes below BUCKETS[4] = 64 KiB are latency-bound: MPI
+NOT_MEASURED, EXTRAPOLATED = -2.0, -1.0  # markers in place of times
 CACHE_FILE = "collectives-tuning.json"
 CACHE_ENTRIES = 32  # newest kept
 OVERLOAD = 3.0      # load average per core above which a measurement is not cached
@@ -112,8 +119,11 @@ class Table:
         i = bisect_right(self._bounds, nbytes)
         _, _, t, t_mpi = self.rows[1 if inplace else 0][i]
         place = "in place" if inplace else "out of place"
+        if t == NOT_MEASURED:
+            return (f"{what}: {self.source}: across hosts sizes below {_mib(BUCKETS[HOSTS_FIRST])}"
+                    " are latency-bound and not measured")
         if t < 0:
-            j = max(k for k in range(i) if self.rows[1 if inplace else 0][k][2] >= 0)
+            j = max(k for k in range(i) if self.rows[1 if inplace else 0][k][2] != EXTRAPOLATED)
             return (f"{what}: {self.source}: not measured at {_mib(BUCKETS[i])} (calibration "
                     f"time budget); as at {_mib(BUCKETS[j])} {place}")
         if path == "mpi":
@@ -151,23 +161,34 @@ def applies(cand: tuple[str, int], nbytes: int) -> bool:
 
 
 def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
-            run: Callable[[tuple[str, int], np.ndarray, np.ndarray, bool], None]) -> np.ndarray:
+            run: Callable[[tuple[str, int], np.ndarray, np.ndarray, bool], None],
+            first: int = 0, rounds: tuple[int, int] = (ROUNDS_SMALL, ROUNDS),
+            budget: float = BUDGET_S) -> np.ndarray:
     """Seconds per call, shape (len(BUCKETS), 2 [out of place, in place], len(cands)):
-    each rank's best round, then the maximum over ranks (inf: not applicable)."""
+    each rank's best round, then the maximum over ranks (inf: not applicable).
+
+    Buckets below ``first`` are not measured (MPI's time is ``NOT_MEASURED``); buckets
+    whose predicted cost (4x the previous bucket's) would overrun ``budget`` are not
+    either (``EXTRAPOLATED``: they take the decision of the largest measured size).
+    ``rounds``: timed rounds up to 64 KiB, and above.
+    """
     best = np.full((len(BUCKETS), 2, len(cands)), np.inf)
+    best[:first, :, 0] = NOT_MEASURED
     start = time.perf_counter()
     spent = np.zeros(1)
-    for si, nbytes in enumerate(BUCKETS):
+    before = 0.0
+    for si in range(first, len(BUCKETS)):
+        nbytes = BUCKETS[si]
         spent[0] = time.perf_counter() - start
         mpi.Allreduce(MPI.IN_PLACE, spent, op=MPI.MAX)  # every rank stops at the same size
-        if si and spent[0] > BUDGET_S:
-            best[si:] = best[si - 1]  # marked as extrapolated by decide()
-            best[si:, :, 0] = -best[si - 1, :, 0]
+        if si > first and spent[0] + 4 * (spent[0] - before) > budget:
+            best[si:, :, 0] = EXTRAPOLATED
             break
+        before = float(spent[0])
         x = np.zeros(nbytes // 4, dtype=np.float32)  # zeros: sums stay finite however often
         y = np.zeros_like(x)
         iters = np.ones((2, len(cands)), dtype=np.int64)
-        for rnd in range((ROUNDS_SMALL if nbytes <= 64 << 10 else ROUNDS) + 1):
+        for rnd in range((rounds[0] if nbytes <= 64 << 10 else rounds[1]) + 1):
             for ci, cand in enumerate(cands):
                 if not applies(cand, nbytes):
                     continue
@@ -197,9 +218,11 @@ def decide(times: np.ndarray, cands: list[tuple[str, int]]) -> list[list[tuple]]
     for ip in (0, 1):
         for si in range(len(BUCKETS)):
             t = times[si, ip].copy()
-            extrapolated = t[0] < 0  # not measured (calibration budget): copy the size below
-            if extrapolated:
-                rows[ip].append(rows[ip][-1][:2] + (-1.0, -1.0))
+            if t[0] == NOT_MEASURED:
+                rows[ip].append(("mpi", 0, NOT_MEASURED, NOT_MEASURED))
+                continue
+            if t[0] < 0:  # not measured (calibration budget): as the size below
+                rows[ip].append(rows[ip][-1][:2] + (EXTRAPOLATED, EXTRAPOLATED))
                 continue
             k = int(np.argmin(t))
             if not t[k] < MARGIN * t[0]:
@@ -216,7 +239,8 @@ def _valid_rows(rows, cands: list[tuple[str, int]]) -> bool:
             return False
         for v in rows:
             for path, chunk, t, t_mpi in v:
-                if (path, chunk) not in allowed or not (t >= 0 or t == t_mpi == -1):
+                if (path, chunk) not in allowed or \
+                        not (t >= 0 or t == t_mpi in (NOT_MEASURED, EXTRAPOLATED)):
                     return False
         return True
     except (TypeError, ValueError):
@@ -272,7 +296,11 @@ def calibrated(mpi: MPI.Intracomm, host: str, local_size: int, nnodes: int,
                            f"(cached, took {entry.get('took_s', 0):.2f} s)")
     load0 = _load()
     t0 = time.perf_counter()
-    times = measure(mpi, cands, run)
+    if nnodes > 1:
+        times = measure(mpi, cands, run, first=HOSTS_FIRST, rounds=(1, 1),
+                        budget=HOSTS_BUDGET_S)
+    else:
+        times = measure(mpi, cands, run)
     took = time.perf_counter() - t0
     entry = None
     if mpi.Get_rank() == 0:

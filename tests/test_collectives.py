@@ -374,6 +374,12 @@ def test_path_table_decides_fastest_and_mpi_on_ties():
     assert not tuning._valid_rows(rows, cands[:1])           # a path this layout lacks
     assert not tuning._valid_rows([rows[0]], cands)          # one variant missing
     assert not tuning._valid_rows([[("mpi", 0, "x", 1)] * 9] * 2, cands)
+    # Across hosts the small sizes are not measured: MPI, and the reason says so.
+    times[:tuning.HOSTS_FIRST, :, 0] = tuning.NOT_MEASURED
+    rows = tuning.decide(times, cands)
+    assert rows[0][0] == ("mpi", 0, tuning.NOT_MEASURED, tuning.NOT_MEASURED)
+    assert tuning._valid_rows(rows, cands)
+    assert "latency-bound and not measured" in tuning.Table(rows, "x").explain(1000)
 
 
 def test_fixed_rule_table():
