@@ -12,7 +12,8 @@ with crossovers that move with the host (cache sizes, core count, the MPI build)
 * sizes: ``BUCKETS`` (256 B to 16 MiB, factor 4), out of place and in place; a size
   takes the decision of the nearest bucket (log scale), above 16 MiB the 16 MiB one.
   Across hosts from 64 KiB only (smaller sizes are latency-bound: MPI), one timed
-  round each. Larger sizes are skipped once their predicted cost would overrun the
+  round each. Larger sizes are skipped once their predicted cost (1.5x the previous
+  size's up to 256 KiB, 4x above) would overrun the
   time budget (0.6 s on one host, 3 s across hosts) and take the largest measured
   size's decision;
 * each candidate is timed in alternating rounds, each rank keeps its best round, the
@@ -53,7 +54,7 @@ PATHS = ("mpi", "shm", "shm+hierarchical", "shm+ring", "ring")
 BUCKETS = tuple(256 * 4 ** i for i in range(9))  # 256 B .. 16 MiB
 CHUNKS = (128 << 10, 512 << 10, 2 << 20)
 ROUNDS = 3          # timed rounds per candidate (plus one untimed warm-up round) ...
-ROUNDS_SMALL = 7    # ... and up to 64 KiB, where rounds are cheap and noise is relatively large
+ROUNDS_SMALL = 5    # ... and up to 64 KiB, where rounds are cheap and noise is relatively large
 ROUND_MIN_S = 200e-6  # a timed round repeats the call until it lasts about this long
 MARGIN = 0.97       # another path must take under 97 % of MPI's time: on a tie, MPI
 BUDGET_S = 0.6      # past this, larger sizes take the decision of the largest measured
@@ -168,7 +169,7 @@ def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
     each rank's best round, then the maximum over ranks (inf: not applicable).
 
     Buckets below ``first`` are not measured (MPI's time is ``NOT_MEASURED``); buckets
-    whose predicted cost (4x the previous bucket's) would overrun ``budget`` are not
+    whose predicted cost (from the previous bucket's) would overrun ``budget`` are not
     either (``EXTRAPOLATED``: they take the decision of the largest measured size).
     ``rounds``: timed rounds up to 64 KiB, and above.
     """
@@ -181,7 +182,10 @@ def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
         nbytes = BUCKETS[si]
         spent[0] = time.perf_counter() - start
         mpi.Allreduce(MPI.IN_PLACE, spent, op=MPI.MAX)  # every rank stops at the same size
-        if si > first and spent[0] + 4 * (spent[0] - before) > budget:
+        # The next size's cost, from the last one's: 4x where bandwidth-bound, latency
+        # dominates below 256 KiB (where a busy host's stalls also make the last one noisy).
+        grow = 4 if nbytes > 256 << 10 else 1.5
+        if si > first and spent[0] + grow * (spent[0] - before) > budget:
             best[si:, :, 0] = EXTRAPOLATED
             break
         before = float(spent[0])
