@@ -10,12 +10,11 @@ with crossovers that move with the host (cache sizes, core count, the MPI build)
   between), ``shm+ring`` (shm within hosts, a ring between), ``ring`` (a flat ring
   over all ranks) — each only where it applies;
 * sizes: ``BUCKETS`` (256 B to 16 MiB, factor 4), out of place and in place; a size
-  takes the decision of the nearest bucket (log scale), above 16 MiB the 16 MiB one.
+  takes the decision of the largest bucket not above it (below 256 B the 256 B one).
   Across hosts from 64 KiB only (smaller sizes are latency-bound: MPI), one timed
   round each. Larger sizes are skipped once their predicted cost (1.5x the previous
-  size's up to 256 KiB, 4x above) would overrun the
-  time budget (0.6 s on one host, 3 s across hosts) and take the largest measured
-  size's decision;
+  size's up to 256 KiB, 4x above) would overrun the time budget (0.6 s on one host,
+  3 s across hosts), and take the largest measured size's decision;
 * each candidate is timed in alternating rounds, each rank keeps its best round, the
   slowest rank's time counts (an allreduce is as slow as its slowest rank);
 * rank 0 decides (fastest candidate; MPI on a tie) and broadcasts the table, so every
@@ -84,13 +83,16 @@ class Table:
         self.rows = rows
         self.source = source  # "calibrated on …", "env DTRUN_SHM_THRESHOLD=…", …
         self.rule = rule
-        # bucket i covers [BUCKETS[i] / 2, BUCKETS[i] * 2)
-        self._bounds = [b * 2 for b in BUCKETS[:-1]]
+        # Bucket i covers [BUCKETS[i], BUCKETS[i + 1]): a size between two measured sizes
+        # takes the smaller one's decision. At the low crossover that keeps MPI (the
+        # shared-memory path's advantage grows with size there): nearest-on-a-log-scale
+        # sent 8 KiB to the 16 KiB decision and lost 0.6x.
+        self._bounds = list(BUCKETS[1:])
         floor = 1 << 62
         for variant in rows:
             for i, row in enumerate(variant):
                 if row[0] != "mpi":
-                    floor = min(floor, 0 if i == 0 else BUCKETS[i] // 2)
+                    floor = min(floor, 0 if i == 0 else BUCKETS[i])
         self.floor = floor
 
     @classmethod

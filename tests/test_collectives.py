@@ -360,11 +360,12 @@ def test_path_table_decides_fastest_and_mpi_on_ties():
     assert rows[0][8] == ("shm", tuning.CHUNKS[1], -1.0, -1.0)  # as the size below
     table = tuning.Table(rows, "calibrated on test")
     b = tuning.BUCKETS
-    assert table.floor == b[4] // 2
-    # A size takes the nearest bucket on a log scale; above the last, the last.
-    assert table.pick(b[4] // 2 - 1, False) == ("mpi", 0)
-    assert table.pick(b[4] // 2, False) == ("shm", tuning.CHUNKS[0])
-    assert table.pick(b[6] * 2 - 1, False) == ("shm", tuning.CHUNKS[1])
+    assert table.floor == b[4]
+    # A size takes the largest bucket not above it; above the last, the last.
+    assert table.pick(b[4] - 1, False) == ("mpi", 0)
+    assert table.pick(b[4], False) == ("shm", tuning.CHUNKS[0])
+    assert table.pick(b[6] - 1, False) == ("shm", tuning.CHUNKS[0])
+    assert table.pick(b[6], False) == ("shm", tuning.CHUNKS[1])
     assert table.pick(1 << 30, False) == ("shm", tuning.CHUNKS[1])
     assert table.pick(1 << 30, True) == ("mpi", 0)
     assert "shm 2.00x mpi at 64 KiB out of place" in table.explain(b[4])
