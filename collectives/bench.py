@@ -21,6 +21,14 @@ then for out-of-place and in-place: time (us), algbw, busbw (GB/s = 1e9 B/s), #w
   and the fastest round of each is kept, which makes ratios robust on a shared host.
 * ``-o grouped``: ``--tensors`` arrays of ``size`` bytes, grouped_allreduce vs one
   allreduce per array (the fusion speedup).
+* ``--min-time S``: repeat each timed loop until it lasts about S seconds (at least
+  ``-n`` iterations; the count comes from the warm-up and is the same on all ranks).
+* ``--bound`` (allreduce): per size, the memcpy bandwidth of this host in the same run
+  (``np.copyto`` of the same size on every rank at once) and the fraction of it that
+  the allreduce reaches under this accounting: each rank at least reads its N input
+  bytes, writes its N output bytes and reads its share (p-1)/p N of the other ranks'
+  data, (2 + (p-1)/p) N bytes of traffic, against memcpy's 2 N per N copied. The JSON
+  rows also carry the path each size took (``Comm.allreduce_path``).
 """
 
 from __future__ import annotations
@@ -69,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1,
                    help="alternate ours/raw this many times, keep each one's best")
     p.add_argument("--tensors", type=int, default=256, help="arrays for -o grouped")
+    p.add_argument("--path", default=None,
+                   choices=("mpi", "shm", "shm+hierarchical", "shm+ring", "ring"),
+                   help="ours: take this allreduce path at every size (default: measured)")
+    p.add_argument("--min-time", type=float, default=0.0,
+                   help="repeat each timed loop until it lasts about this many seconds")
+    p.add_argument("--bound", action="store_true",
+                   help="allreduce: also measure memcpy bandwidth per size and report the "
+                        "fraction of it reached")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
@@ -100,9 +116,18 @@ class Timer:
         self.mpi, self.MPI, self.np = comm.mpi, MPI, np
         self._buf = np.zeros(1, dtype=np.float64)
 
-    def __call__(self, fn: Callable[[], Any], warmup: int, iters: int) -> float:
+    def __call__(self, fn: Callable[[], Any], warmup: int, iters: int,
+                 min_time: float = 0.0) -> float:
+        t0 = self.MPI.Wtime()
         for _ in range(warmup):
             fn()
+        if min_time > 0:
+            # The same count on every rank: the slowest rank's estimate decides.
+            est = (self.MPI.Wtime() - t0) / max(warmup, 1)
+            want = self.np.array([min(10 ** 6, max(iters, int(min_time / max(est, 1e-8))))],
+                                 dtype=self.np.int64)
+            self.mpi.Allreduce(self.MPI.IN_PLACE, want, op=self.MPI.MIN)
+            iters = int(want[0])
         self.mpi.Barrier()
         t0 = self.MPI.Wtime()
         for _ in range(iters):
@@ -261,12 +286,28 @@ def run_collective(comm, args, op: str, timer: Timer) -> list[dict]:
             "op": op, "size": b["nbytes"], "count": b["count"], "type": dname, "redop": redop,
             "root": args.root if op in ("broadcast", "reduce") else -1, "nranks": n}
         best: dict[str, float] = {}
+        keys = ["ours_oop", "raw_oop", "ours_ip", "raw_ip"]
+        if args.bound and op == "allreduce":
+            src, dst = np.ones(b["nbytes"], np.uint8), np.zeros(b["nbytes"], np.uint8)
+            b["memcpy"] = lambda: np.copyto(dst, src)
+            keys.append("memcpy")
         for _ in range(max(1, args.rounds)):
-            for key in ("ours_oop", "raw_oop", "ours_ip", "raw_ip"):
+            for key in keys:
                 if key.startswith("raw") and not args.baseline:
                     continue
-                sec = timer(b[key], args.warmup_iters, args.iters)
+                sec = timer(b[key], max(1, args.warmup_iters), args.iters, args.min_time)
                 best[key] = min(best.get(key, sec), sec)
+        if op == "allreduce":
+            row["oop_path"] = comm.allreduce_path(b["nbytes"])
+            row["ip_path"] = comm.allreduce_path(b["nbytes"], inplace=True)
+        if "memcpy" in best and b["nbytes"]:
+            # Traffic per rank under the accounting above, at memcpy's rate (2N per copy).
+            need = (2 + (n - 1) / n) * b["nbytes"]
+            rate = 2 * b["nbytes"] / best["memcpy"]
+            row["memcpy_GBps"] = b["nbytes"] / best["memcpy"] / 1e9
+            row["bound_us"] = need / rate * 1e6
+            for v in ("oop", "ip"):
+                row[f"{v}_bound_frac"] = row["bound_us"] / (best[f"ours_{v}"] * 1e6)
         factor = BUSBW_FACTOR[op](n) if n > 1 else 0.0
         for variant in ("oop", "ip"):
             wrong = -1
@@ -312,7 +353,7 @@ def run_grouped(comm, args, timer: Timer) -> list[dict]:
         best: dict[str, float] = {}
         for _ in range(max(1, args.rounds)):
             for key, fn in (("fused", fused), ("separate", separate)):
-                sec = timer(fn, args.warmup_iters, args.iters)
+                sec = timer(fn, max(1, args.warmup_iters), args.iters, args.min_time)
                 best[key] = min(best.get(key, sec), sec)
         total = count * dtype.itemsize * args.tensors
         wrong = 0
@@ -377,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return 2 if e.code else 0
     from . import comm as comm_mod
-    comm = comm_mod.world()
+    comm = comm_mod.world() if args.path is None else comm_mod.Comm(path=args.path)
     timer = Timer(comm)
     ops = list(COLLECTIVES) if args.op == "all" else [args.op]
     sections = []
@@ -391,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     if comm.rank == 0:
         if args.json:
             print(json.dumps({"nranks": comm.size, "nnodes": comm.nnodes,
+                              "paths": comm.allreduce_paths(),
                               "args": {k: v for k, v in vars(args).items()},
                               "rows": all_rows, "avg_busbw": avg_busbw(all_rows),
                               "wrong": wrong}, indent=1))

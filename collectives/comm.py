@@ -19,6 +19,7 @@ What is checked, and when:
 
 from __future__ import annotations
 
+import operator
 import os
 import socket
 from typing import Any, Sequence
@@ -31,6 +32,8 @@ from .errors import (CollectiveError, MismatchError, MPIError, NotContiguousErro
                      ShapeError, UnsupportedDtypeError)
 from . import recorder as _rec
 from .handle import Handle
+from . import tuning as _tuning
+from .ring import Ring
 from .shm import SINGLE_STEP_MAX, ShmReducer
 from .sizes import env_bytes
 
@@ -40,6 +43,11 @@ ANY_SOURCE = MPI.ANY_SOURCE
 ANY_TAG = MPI.ANY_TAG
 
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
+# grouped_allreduce: an array this large is reduced on its own, in place (packing it
+# costs two copies and saves a per-call overhead it does not notice), and fused buffers
+# stay at most SINGLE_STEP_MAX, so they are packed straight into shared memory and stay
+# in cache (a 64 MiB buffer ran 4x slower than its 4 arrays reduced one by one).
+FUSE_ALONE_BYTES = 1 << 20
 DEFAULT_SHM_THRESHOLD = 256 * 1024
 DEFAULT_SHM_CHUNK = 512 * 1024  # fits in L2/L3 between copy-in, reduce and copy-out
 
@@ -75,14 +83,23 @@ class Comm:
             several hosts on one machine). Must be a split of ``mpi_comm`` whose
             members share memory.
         shm_threshold: smallest allreduce (bytes) that takes the shared-memory path
-            (default: env ``DTRUN_SHM_THRESHOLD`` or 256 KiB; below it MPI is faster).
+            (default: env ``DTRUN_SHM_THRESHOLD``, else measured: see below).
         shm_chunk: bytes per rank and step of the shared-memory path (default: env
-            ``DTRUN_SHM_CHUNK`` or 512 KiB, so a step stays in L2 cache).
+            ``DTRUN_SHM_CHUNK``, else measured).
+        path: take this allreduce path at every size ("mpi", "shm", "shm+hierarchical",
+            "shm+ring", "ring"; default: env ``DTRUN_ALLREDUCE_PATH``, else measured).
+
+    The allreduce path for each size (MPI, shared memory with a chunk size,
+    hierarchical, ring) is measured at creation on hosts where there is a choice, and
+    cached per host and MPI (``tuning.py``); ``allreduce_path(nbytes)`` says which one
+    a size takes and ``allreduce_reason(nbytes)`` why. A threshold or chunk given here
+    or in the environment fixes the rule instead (shm at or above the threshold).
     """
 
     def __init__(self, mpi_comm: MPI.Intracomm | None = None, *, check: bool | None = None,
                  shm: bool | None = None, node_comm: MPI.Intracomm | None = None,
-                 shm_threshold: int | None = None, shm_chunk: int | None = None) -> None:
+                 shm_threshold: int | None = None, shm_chunk: int | None = None,
+                 path: str | None = None) -> None:
         comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         self.mpi = comm
         self.rank = comm.Get_rank()
@@ -108,16 +125,17 @@ class Comm:
         self.fusion_threshold = env_bytes("DTRUN_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)
         use_shm = (os.environ.get("DTRUN_SHM", "1").strip() != "0") if shm is None else shm
         self._shm: ShmReducer | None = None
-        self._shm_threshold = (env_bytes("DTRUN_SHM_THRESHOLD", DEFAULT_SHM_THRESHOLD)
-                               if shm_threshold is None else int(shm_threshold))
         self._cross_comm: MPI.Intracomm | None = None
+        self._cross_ring: Ring | None = None  # the inter-node step of "shm+ring"
+        self._ring: Ring | None = None        # "ring": all ranks, on a private Dup
         if use_shm and self.local_size > 1 and (self.nnodes == 1 or self._uniform_nodes):
             if self.nnodes > 1:
                 # Ranks with the same local rank on every host: the inter-node step.
                 self._cross_comm = comm.Split(self.local_rank, self.node)
-            chunk = env_bytes("DTRUN_SHM_CHUNK", DEFAULT_SHM_CHUNK) if shm_chunk is None \
-                else int(shm_chunk)
-            self._shm = ShmReducer(node_comm, self._cross_comm, chunk)
+                self._cross_ring = Ring(self._cross_comm)
+            self._shm = ShmReducer(node_comm, self._cross_comm, DEFAULT_SHM_CHUNK)
+        if self.nnodes > 1:
+            self._ring = Ring(comm.Dup())
         self._opcache: dict[tuple[np.dtype, str], tuple] = {}
         self._fusion_bufs: dict[np.dtype, np.ndarray] = {}
         self._group_plans: dict[tuple, tuple] = {}
@@ -126,11 +144,70 @@ class Comm:
         self._seq = 0
         self._rec = None  # ring view of the flight recorder, when this Comm owns it
         self._rec_map = None
+        self._paths = self._select_paths(use_shm, shm_threshold, shm_chunk, path)
         if not _REC_TAKEN[0] and comm == MPI.COMM_WORLD:
             ring = _rec.open_ring(self.rank)
             if ring is not None:
                 _REC_TAKEN[0] = True
                 self._rec_map, self._rec = ring
+
+    def _select_paths(self, use_shm: bool, shm_threshold: int | None,
+                      shm_chunk: int | None, path: str | None) -> "_tuning.Table":
+        """The allreduce path table (collective when it measures): see tuning.py."""
+        env = os.environ
+        cands = _tuning.candidates(self._shm is not None, self.nnodes, self._uniform_nodes,
+                                   self.local_size)
+        if self.size == 1 or len(cands) == 1:
+            why = ("one rank" if self.size == 1 else "DTRUN_SHM=0" if not use_shm else
+                   "no shared-memory peers on this host" if self.local_size == 1 else
+                   "hosts with different rank counts")
+            return _tuning.Table.fixed("mpi", 0, 0, f"only mpi applies ({why})")
+        shm_path = "shm+hierarchical" if self._cross_comm is not None else "shm"
+        forced = path or env.get("DTRUN_ALLREDUCE_PATH", "").strip()
+        if forced:
+            origin = f"path={forced!r}" if path else f"env DTRUN_ALLREDUCE_PATH={forced}"
+            valid = {p for p, _ in cands}
+            if forced not in valid:
+                raise ValueError(f"{origin}: this layout offers {', '.join(sorted(valid))}")
+            chunk = env_bytes("DTRUN_SHM_CHUNK", DEFAULT_SHM_CHUNK) if shm_chunk is None \
+                else int(shm_chunk)
+            return _tuning.Table.fixed(forced, 0, chunk, origin)
+        env_t, env_c = env.get("DTRUN_SHM_THRESHOLD", "").strip(), env.get("DTRUN_SHM_CHUNK", "").strip()
+        tune = env.get("DTRUN_TUNE", "1").strip().lower()
+        if shm_threshold is not None or shm_chunk is not None or env_t or env_c or tune == "0":
+            threshold = (env_bytes("DTRUN_SHM_THRESHOLD", DEFAULT_SHM_THRESHOLD)
+                         if shm_threshold is None else int(shm_threshold))
+            chunk = env_bytes("DTRUN_SHM_CHUNK", DEFAULT_SHM_CHUNK) if shm_chunk is None \
+                else int(shm_chunk)
+            given = [name for name, v in (("shm_threshold", shm_threshold), ("shm_chunk", shm_chunk))
+                     if v is not None]
+            given += [f"env {name}={v}" for name, v in (("DTRUN_SHM_THRESHOLD", env_t),
+                                                        ("DTRUN_SHM_CHUNK", env_c)) if v]
+            source = ", ".join(given) if given else "built-in default (DTRUN_TUNE=0)"
+            if self._shm is None:  # the rule is about shared memory, which does not apply
+                return _tuning.Table.fixed("mpi", 0, 0, f"{source} (no shared memory here)")
+            return _tuning.Table.fixed(shm_path, threshold, chunk, source)
+        return _tuning.calibrated(self.mpi, self.host, self.local_size, self.nnodes, cands,
+                                  self._calibration_run, refresh=tune == "refresh")
+
+    def _calibration_run(self, cand: tuple[str, int], src: np.ndarray, dst: np.ndarray,
+                         inplace: bool) -> None:
+        """One float32 sum allreduce of ``src`` into ``dst`` along candidate path ``cand``."""
+        t, mop, kern, finish, _, _ = self._redop(src, SUM, "allreduce")
+        self._via(cand[0], cand[1], src, dst, inplace, t, mop, kern, finish)
+
+    def _via(self, path: str, chunk: int, src: np.ndarray, dst: np.ndarray, inplace: bool,
+             t, mop, kern, finish) -> None:
+        """Allreduce ``src`` into ``dst`` (the same array when ``inplace``) along ``path``."""
+        if path == "mpi":
+            self.mpi.Allreduce(IN_PLACE if inplace else [src, t], [dst, t], mop)
+            if finish is not None:
+                finish(dst)
+        elif path == "ring":
+            self._ring.allreduce(src, dst, kern, finish)
+        else:  # shm, shm+hierarchical, shm+ring
+            self._shm.allreduce(src, dst, kern, t, mop, finish, chunk,
+                                self._cross_ring if path == "shm+ring" else None)
 
     # ------------------------------------------------------------------ helpers
     def __repr__(self) -> str:
@@ -275,12 +352,28 @@ class Comm:
         """Sub-communicator of the ranks on this host (collective)."""
         return Comm(self._node_comm.Dup(), check=self.check, shm=self._shm is not None)
 
-    def allreduce_path(self, nbytes: int) -> str:
-        """Which path a host allreduce of ``nbytes`` takes: "shm", "shm+hierarchical"
-        (shared memory within hosts, MPI between them) or "mpi"."""
-        if self._shm is None or nbytes < self._shm_threshold:
-            return "mpi"
-        return "shm+hierarchical" if self._cross_comm is not None else "shm"
+    def allreduce_path(self, nbytes: int, inplace: bool = False) -> str:
+        """Which path a host allreduce of ``nbytes`` takes: "mpi" (MPI_Allreduce), "shm"
+        (shared memory), "shm+hierarchical" (shared memory within hosts, MPI between
+        them), "shm+ring" (shared memory within hosts, a ring between them) or "ring"
+        (a ring over all ranks). The same on every rank."""
+        return self._paths.pick(int(nbytes), inplace)[0]
+
+    def allreduce_reason(self, nbytes: int, inplace: bool = False) -> str:
+        """Why ``allreduce_path(nbytes)``: the path, its chunk, and how it was chosen,
+        e.g. "shm (chunk 512 KiB): calibrated on host/Open MPI v5.0.11 at … (cached):
+        shm 1.80x mpi at 4 MiB out of place" or "…: env DTRUN_SHM_THRESHOLD=1M: …"."""
+        return self._paths.explain(int(nbytes), inplace)
+
+    def allreduce_paths(self) -> list[dict]:
+        """The decision table: one row per measured size and variant (benchmarks print it)."""
+        rows = []
+        for ip in (0, 1):
+            for size in _tuning.BUCKETS:
+                path, chunk = self._paths.pick(size, bool(ip))
+                rows.append({"size": size, "inplace": bool(ip), "path": path, "chunk": chunk,
+                             "reason": self._paths.explain(size, bool(ip))})
+        return rows
 
     def free(self) -> None:
         """Release the shared-memory window (collective over the node) and the cached
@@ -291,6 +384,7 @@ class Comm:
         if self._shm is not None:
             self._shm.free()
             self._shm = None
+        self._paths = _tuning.Table.fixed("mpi", 0, 0, "freed")
 
     # ---------------------------------------------------------------- running an op
     def _errors(self, op: str) -> "_MpiErrors":
@@ -389,7 +483,45 @@ class Comm:
         gets the result. Returns a new array, or ``out``, or ``x`` when ``inplace``."""
         if type(x) is not np.ndarray:
             return self._foreign("allreduce", x, op=op, out=out, inplace=inplace)
-        return self._allreduce(x, op, out, inplace, np)
+        # The NumPy case, flattened into one function: at 8 bytes each Python call level
+        # costs about 5 % of an MPI_Allreduce (what _allreduce_op + _run do, inlined).
+        try:
+            t, mop, kern, finish, canon, rbits = self._opcache[(x.dtype, op)]
+        except (KeyError, TypeError):
+            t, mop, kern, finish, canon, rbits = self._redop(x, op, "allreduce")
+        if not x.flags.c_contiguous:
+            self._type(x, "allreduce")
+        if self.check:
+            self._signature("allreduce", x, canon)
+        r = self._rec
+        if r is not None:  # flight recorder, inlined
+            s = self._seq = self._seq + 1
+            i = (s & _REC_MASK) << 1
+            r[i + 1] = rbits | x.size
+            r[i] = s
+        if inplace or out is x:
+            out, send = x, IN_PLACE
+        elif out is None:
+            out, send = np.empty(x.shape, x.dtype), [x, t]
+        else:
+            if type(out) is not np.ndarray or out.dtype != x.dtype or out.shape != x.shape \
+                    or not out.flags.c_contiguous:
+                out = self._out(x, out, x.shape, "allreduce")  # raises, or a valid foreign out
+            send = [x, t]
+        paths = self._paths
+        if x.nbytes >= paths.floor:  # small messages: this one comparison
+            path, chunk = paths.pick(x.nbytes, send is IN_PLACE)
+            if path != "mpi":
+                with self._errors("allreduce"):
+                    self._via(path, chunk, x, out, send is IN_PLACE, t, mop, kern, finish)
+                return out
+        try:
+            self.mpi.Allreduce(send, [out, t], mop)
+        except MPI.Exception as e:
+            raise self._mpi_error("allreduce", e) from None
+        if finish is not None:
+            finish(out)
+        return out
 
     def _allreduce_op(self, x, op, out, inplace, xp, opname) -> "_Op":
         t, mop, _, finish, canon, rbits = self._redop(x, op, opname)
@@ -412,13 +544,15 @@ class Comm:
 
     def _allreduce(self, x, op, out, inplace, xp):
         c = self._allreduce_op(x, op, out, inplace, xp, "allreduce")
-        shm = self._shm
-        if shm is not None and xp is np and x.nbytes >= self._shm_threshold:
-            t, mop, kern, finish, _, _ = self._redop(x, op, "allreduce")  # cached by the set-up
+        paths = self._paths
+        if x.nbytes >= paths.floor and xp is np:  # small messages: one comparison
             out = c[2]
-            with self._errors("allreduce"):
-                shm.allreduce(x, out, kern, t, mop, finish)
-            return out
+            path, chunk = paths.pick(x.nbytes, out is x)
+            if path != "mpi":
+                t, mop, kern, finish, _, _ = self._redop(x, op, "allreduce")  # cached
+                with self._errors("allreduce"):
+                    self._via(path, chunk, x, out, out is x, t, mop, kern, finish)
+                return out
         return self._run("allreduce", c)
 
     def iallreduce(self, x: Any, op: str = SUM, out: Any = None, inplace: bool = False) -> Handle:
@@ -721,9 +855,12 @@ class Comm:
 
         Arrays of the same dtype are copied, in order, into one fusion buffer of at
         most ``fusion_threshold`` bytes (default: env ``DTRUN_FUSION_THRESHOLD`` or
-        64 MiB, as Horovod's HOROVOD_FUSION_THRESHOLD); each full buffer is reduced with
-        one allreduce and copied back. An array larger than the threshold is reduced on
-        its own. Returns ``arrays`` (same objects, updated). All ranks must pass the
+        64 MiB, as Horovod's HOROVOD_FUSION_THRESHOLD) and at most 4 MiB (so a buffer
+        is packed straight into shared memory and stays in cache); each full buffer is
+        reduced with one allreduce and copied back. An array of 1 MiB or more (or of
+        the threshold, if smaller) is reduced on its own, in place: fusion saves
+        per-call overhead, which such an array does not notice, and packing costs two
+        copies. Returns ``arrays`` (same objects, updated). All ranks must pass the
         same list of shapes and dtypes.
 
         The split into buffers (and the MPI datatypes that pack/unpack them in C) is
@@ -734,8 +871,13 @@ class Comm:
         threshold = self.fusion_threshold if fusion_threshold is None else int(fusion_threshold)
         if not arrays:
             return list(arrays)
-        key = (tuple(map(id, arrays)), threshold)
+        # The cache is looked up by (length, first, last, threshold), then checked array by
+        # array by identity: about 3x cheaper than hashing all the ids (256 arrays: 8 us).
+        key = (len(arrays), id(arrays[0]), id(arrays[-1]), threshold)
         plan = self._group_plans.get(key)
+        if plan is not None and not all(map(operator.is_, arrays, plan[1])):
+            self._free_plan(self._group_plans.pop(key))
+            plan = None
         if plan is None:
             if any(type(a) is not np.ndarray for a in arrays):
                 return self._foreign("grouped_allreduce", list(arrays), op=op,
@@ -753,7 +895,8 @@ class Comm:
             datatype, memory, dtype, count = step
             nbytes = count * dtype.itemsize
             shm = self._shm
-            if shm is not None and self._shm_threshold <= nbytes <= SINGLE_STEP_MAX:
+            path = self._paths.pick(nbytes, True)[0] if shm is not None else "mpi"
+            if path.startswith("shm") and nbytes <= SINGLE_STEP_MAX:
                 # Pack straight into this rank's shared slot, unpack straight out of the
                 # shared result: no intermediate fusion buffer at all.
                 rep = self._fusion_rep(dtype)
@@ -761,7 +904,7 @@ class Comm:
                 shm.allreduce_packed(
                     count, dtype, lambda v: datatype.Pack(memory, v, 0, MPI.COMM_SELF),
                     lambda v: datatype.Unpack(v, 0, memory, MPI.COMM_SELF), kern, t, mop,
-                    finish)
+                    finish, self._cross_ring if path == "shm+ring" else None)
                 continue
             buf = self._fusion_bufs.get(dtype)
             if buf is None or buf.size < count:
@@ -798,14 +941,16 @@ class Comm:
             self._type(a, "grouped_allreduce")
             groups.setdefault(a.dtype, []).append(a)
         steps: list[tuple] = []
+        alone = min(threshold, FUSE_ALONE_BYTES)
+        cap = min(threshold, SINGLE_STEP_MAX)
         for dtype in sorted(groups, key=lambda d: d.str):  # same order on every rank
             batch: list[np.ndarray] = []
             nbytes = 0
             for a in groups[dtype]:
-                if a.nbytes >= threshold:
+                if a.nbytes >= alone:
                     steps.append((a,))
                     continue
-                if nbytes + a.nbytes > threshold:
+                if nbytes + a.nbytes > cap:
                     steps.append(self._fused_step(batch, dtype))
                     batch, nbytes = [], 0
                 batch.append(a)

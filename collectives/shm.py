@@ -17,17 +17,19 @@ transport in several copies and reaches only a few GB/s, while a core can copy
 
 Synchronisation: the window is locked once with ``Lock_all(MODE_NOCHECK)``
 (passive target, as the MPI-3 unified memory model expects for load/store access)
-and each sync point is ``Win.Sync(); Barrier(); Win.Sync()`` on the node
-communicator: Sync orders this rank's stores/loads against the window, the barrier
-orders ranks. Two sets of slots alternate between chunks (double buffering), so a
-rank starting chunk i+2 (after the first barrier of chunk i+1) can never overwrite
-a slot that another rank still reads for chunk i: two barriers per chunk suffice.
+and each sync point is a barrier through counters in the window (``waits.Signals``:
+spin, then yield, then sleep on a futex), not ``MPI_Barrier``, whose busy-polling
+steals the core of a late rank when cores are shared. Two sets of slots alternate
+between chunks (double buffering), so a rank starting chunk i+2 (after the first
+barrier of chunk i+1) can never overwrite a slot that another rank still reads for
+chunk i: two barriers per chunk suffice.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from ._mpi import MPI
+from .waits import Signals, header_bytes
 
 _ALIGN = 64  # bytes: slice boundaries on cache lines, so ranks never share a line
 SINGLE_STEP_MAX = 4 << 20  # largest fused buffer reduced in one step (allreduce_packed)
@@ -52,33 +54,38 @@ class ShmReducer:
         self.slots: list[list[np.ndarray]] = []  # [parity][local rank] -> uint8 view
         self.parity = 0
         self._plans: dict[tuple, tuple] = {}
+        self.signals: Signals | None = None
 
-    def _ensure(self, nbytes: int, limit: int = 0) -> None:
-        limit = max(limit, self.chunk_bytes)
+    def _ensure(self, nbytes: int, limit: int) -> None:
+        """Slots of at least ``min(nbytes, limit)`` bytes (re-allocating is collective:
+        every rank calls with the same arguments, as for the allreduce itself)."""
         want = min(limit, max(nbytes, 1 << 16))
         if want <= self.cap:
             return
         cap = 1 << (want - 1).bit_length()  # grow in powers of two, up to the limit
         cap = min(cap, limit)
         self.free()
-        # Each rank allocates its own two slots, so first touch places them near it.
-        win = MPI.Win.Allocate_shared(2 * cap, 1, comm=self.node)
+        # Each rank allocates its header and its own two slots, so first touch places
+        # them near it.
+        head = header_bytes(self.n)
+        win = MPI.Win.Allocate_shared(head + 2 * cap, 1, comm=self.node)
         win.Lock_all(MPI.MODE_NOCHECK)
         views = []
         for k in range(self.n):
             buf, _ = win.Shared_query(k)
-            views.append(np.frombuffer(buf, dtype=np.uint8, count=2 * cap))
-        self.slots = [[v[:cap] for v in views], [v[cap:] for v in views]]
+            views.append(np.frombuffer(buf, dtype=np.uint8, count=head + 2 * cap))
+        self.signals = Signals([v[:head] for v in views], self.r, win.Sync)
+        self.slots = [[v[head:head + cap] for v in views], [v[head + cap:] for v in views]]
         self.win, self.cap, self.parity = win, cap, 0
         self._plans = {}
+        win.Sync()
+        self.node.Barrier()  # every header is zeroed before anyone reads one
 
     def _sync(self) -> None:
-        self.win.Sync()
-        self.node.Barrier()
-        self.win.Sync()
+        self.signals.sync()
 
     def allreduce(self, src: np.ndarray, dst: np.ndarray, kernel, cross_type=None,
-                  cross_op=None, finish=None) -> None:
+                  cross_op=None, finish=None, chunk: int = 0, ring=None) -> None:
         """``dst = reduce(src over ranks)``; ``src`` may be ``dst`` (in place).
 
         Args:
@@ -87,13 +94,17 @@ class ShmReducer:
             cross_type, cross_op: MPI datatype/op for the inter-node step.
             finish: optional in-place ``f(arr)`` applied once to each reduced slice
                 (the division of an average), before anyone copies it out.
+            chunk: bytes per step (default: the reducer's ``chunk_bytes``).
+            ring: a ``ring.Ring`` over the cross communicator: the inter-node step as a
+                ring instead of MPI_Allreduce.
         """
         total = src.size
         if total == 0:
             return
         itemsize = src.itemsize
-        self._ensure(total * itemsize)
-        per_chunk = min(self.cap, self.chunk_bytes) // itemsize
+        chunk = max(_ALIGN * self.n, (chunk or self.chunk_bytes) // _ALIGN * _ALIGN)
+        self._ensure(total * itemsize, chunk)
+        per_chunk = min(self.cap, chunk) // itemsize
         s_flat = src.reshape(-1)
         d_flat = dst.reshape(-1)
         dtype = src.dtype
@@ -119,18 +130,21 @@ class ShmReducer:
                 kernel(first, own if r == 1 else views[1][lo:hi], acc)
                 for k in range(2, len(views)):
                     kernel(acc, own if k == r else views[k][lo:hi], acc)
-                if cross is not None:
+                if ring is not None:
+                    ring.allreduce(acc, acc, kernel)
+                elif cross is not None:
                     cross.Allreduce(MPI.IN_PLACE, [acc, cross_type], cross_op)
                 if finish is not None:
                     finish(acc)
-            elif cross is not None:
-                # Every member of the cross communicator must take part.
+            elif cross is not None and ring is None:
+                # Every member of the cross communicator must take part (a ring of
+                # empty slices exchanges nothing: the same local rank has the same slice).
                 cross.Allreduce(MPI.IN_PLACE, [views[0][:0], cross_type], cross_op)
             sync()
             np.copyto(d_flat[start:start + m], views[0])
 
     def allreduce_packed(self, count: int, dtype: np.dtype, fill, drain, kernel,
-                         cross_type=None, cross_op=None, finish=None) -> None:
+                         cross_type=None, cross_op=None, finish=None, ring=None) -> None:
         """One-step allreduce of ``count`` elements (at most ``SINGLE_STEP_MAX`` bytes)
         whose input the caller writes straight into this rank's slot (``fill(view)``)
         and whose result it reads straight out of shared memory (``drain(view)``).
@@ -150,11 +164,13 @@ class ShmReducer:
             acc = views[0][lo:hi]
             for other in views[1:]:
                 kernel(acc, other[lo:hi], acc)
-            if self.cross is not None:
+            if ring is not None:
+                ring.allreduce(acc, acc, kernel)
+            elif self.cross is not None:
                 self.cross.Allreduce(MPI.IN_PLACE, [acc, cross_type], cross_op)
             if finish is not None:
                 finish(acc)
-        elif self.cross is not None:
+        elif self.cross is not None and ring is None:
             self.cross.Allreduce(MPI.IN_PLACE, [views[0][:0], cross_type], cross_op)
         self._sync()
         drain(views[0])
@@ -179,6 +195,7 @@ class ShmReducer:
     def free(self) -> None:
         if self.win is not None:
             self.slots = []
+            self.signals = None
             self._plans = {}
             try:
                 self.win.Unlock_all()

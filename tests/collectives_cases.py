@@ -171,6 +171,225 @@ def case_hierarchical(comm):
         sub.free()
 
 
+def case_hierarchical_paths(comm):
+    """Emulated 2-rank hosts, each inter-host path forced in turn (shm+hierarchical,
+    shm+ring, ring, mpi): exact sums, the same bits everywhere, grouped too."""
+    node_comm = comm.mpi.Split(comm.rank // 2, comm.rank)
+    if comm.size % 2 == 0 and comm.size > 2:  # uniform hosts of 2
+        paths = ["shm+hierarchical", "shm+ring", "ring", "mpi"]
+    elif comm.size == 2:  # one host
+        paths = ["shm", "mpi"]
+    else:  # one rank, or hosts of 2 and 1 (no shared-memory step)
+        paths = ["ring", "mpi"] if comm.size > 1 else ["mpi"]
+    for path in paths:
+        sub = collectives.Comm(comm.mpi, node_comm=node_comm.Dup(), path=path)
+        try:
+            assert sub.allreduce_path(1 << 20) == path or comm.size == 1
+            for dtype, n in ((np.float32, 10007), (np.int64, 3), (np.float64, 200001)):
+                x = _pat(n, comm.rank, dtype)
+                np.testing.assert_array_equal(sub.allreduce(x), _total(comm, n, dtype))
+                sub.allreduce(x, inplace=True)
+                np.testing.assert_array_equal(x, _total(comm, n, dtype))
+            avg = sub.allreduce(np.full(5000, 2.0 * comm.rank), op="avg")
+            np.testing.assert_array_equal(avg, np.full(5000, comm.size - 1.0))
+            rng = np.random.default_rng(comm.rank)
+            assert _same_everywhere(comm, sub.allreduce(rng.standard_normal(70000)))
+            grads = [_pat(k, comm.rank) for k in (300, 5, 20000)]
+            sub.grouped_allreduce(grads)
+            for g in grads:
+                np.testing.assert_array_equal(g, _total(comm, g.size))
+        finally:
+            sub.free()
+
+
+def _reduce_dtypes():
+    from collectives import dtypes as dt
+    return [d for d in dt._MPI_TYPE if dt.reduce_problem(d, "sum") is None]
+
+
+def _expect(comm, n, dtype, op):
+    """Exact result of reducing ``_pat(n, rank)`` (small integers) over the ranks."""
+    vals = np.array([_pat(n, k) for k in range(comm.size)]).reshape(comm.size, n)
+    if op == "prod":
+        vals = np.where(vals > 2, 1.0, vals)  # products stay small enough for int8
+    if op == "avg":
+        vals = vals * comm.size  # the average is an integer: exact in every float type
+    full = {"sum": vals.sum(0), "prod": vals.prod(0), "min": vals.min(0), "max": vals.max(0),
+            "avg": vals.sum(0) / comm.size}[op]
+    return full, vals
+
+
+def case_ring_exact(comm):
+    """The ring path: every dtype and op the runtime reduces, counts that the ranks do not
+    divide (and fewer elements than ranks), in and out of place, exact everywhere."""
+    from collectives import dtypes as dt
+    from collectives.ring import Ring
+    if comm.size > 1:
+        # Every rank its own "host": the layout where the ring is a path.
+        solo = comm.mpi.Split(comm.rank, 0)
+        sub = collectives.Comm(comm.mpi, node_comm=solo, path="ring")
+        assert sub.allreduce_path(1) == "ring" and "path='ring'" in sub.allreduce_reason(1)
+        reduce = lambda x, op, inplace: (sub.allreduce(x, op=op, inplace=True) if inplace
+                                         else sub.allreduce(x, op=op))  # noqa: E731
+    else:
+        ring = Ring(comm.mpi.Dup())
+        assert ring.p == 1
+
+        def reduce(x, op, inplace):
+            t, mop, kern, finish, _, _ = comm._redop(x, op, "allreduce")
+            out = x if inplace else np.empty_like(x)
+            ring.allreduce(x, out, kern, finish)
+            return out
+    for dtype in _reduce_dtypes():
+        for op in collectives.dtypes.REDUCE_OPS:
+            if dt.reduce_problem(dtype, op):
+                continue
+            for n in (0, 1, max(1, comm.size - 1), 7, 1001):
+                full, vals = _expect(comm, n, dtype, op)
+                mine = vals[comm.rank]
+                for inplace in (False, True):
+                    x = dt.from_float64(mine, dtype)
+                    got = reduce(x, op, inplace)
+                    assert (got is x) == inplace
+                    want = dt.from_float64(full, dtype)
+                    assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), \
+                        f"{dt.dtype_name(dtype)} {op} n={n} inplace={inplace}: {got[:8]}"
+    rng = np.random.default_rng(comm.rank)
+    f = rng.standard_normal(5003).astype(np.float32)
+    assert _same_everywhere(comm, reduce(f, "sum", False))
+
+
+def _path_codes(comm, c):
+    """Every bucket's path, in and out of place, as numbers (to compare across ranks)."""
+    from collectives import tuning
+    return np.array([tuning.PATHS.index(c.allreduce_path(b, ip)) for ip in (False, True)
+                     for b in tuning.BUCKETS + (3, 5 << 20, 64 << 20)], dtype=np.int64)
+
+
+def case_path_selection_agrees(comm):
+    """A measured path table: the same path for every size on every rank, and every size
+    bucket reduces correctly along its path."""
+    from collectives import tuning
+    old = os.environ.get("DTRUN_TUNE")
+    os.environ["DTRUN_TUNE"] = "refresh"
+    try:
+        sub = collectives.Comm(comm.mpi)
+    finally:
+        if old is None:
+            os.environ.pop("DTRUN_TUNE")
+        else:
+            os.environ["DTRUN_TUNE"] = old
+    try:
+        codes = _path_codes(comm, sub)
+        assert _same_everywhere(comm, codes)
+        if comm.size > 1 and comm.local_size > 1 and os.environ.get("DTRUN_SHM", "1") != "0":
+            assert "calibrated on" in sub.allreduce_reason(1 << 20)
+        for b in tuning.BUCKETS:
+            n = b // 8
+            for inplace in (False, True):
+                x = _pat(n, comm.rank)
+                got = sub.allreduce(x, inplace=inplace)
+                np.testing.assert_array_equal(got, _total(comm, n))
+    finally:
+        sub.free()
+
+
+def _with_env(values: dict, make):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: v for k, v in values.items()})
+    try:
+        return make()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def case_path_env_overrides(comm):
+    """DTRUN_SHM_THRESHOLD / DTRUN_SHM_CHUNK / DTRUN_SHM=0 / DTRUN_ALLREDUCE_PATH win over
+    measurement, and say so."""
+    shm_here = comm.local_size > 1
+    sub = _with_env({"DTRUN_SHM_THRESHOLD": "1M", "DTRUN_SHM_CHUNK": "64K"},
+                    lambda: collectives.Comm(comm.mpi))
+    try:
+        assert sub.allreduce_path(1 << 19) == "mpi"
+        assert sub.allreduce_path(1 << 20) == ("shm" if shm_here else "mpi")
+        if shm_here:
+            why = sub.allreduce_reason(4 << 20)
+            assert "env DTRUN_SHM_THRESHOLD=1M" in why and "chunk 64 KiB" in why, why
+        x = _pat(300000, comm.rank)
+        np.testing.assert_array_equal(sub.allreduce(x), _total(comm, 300000))
+    finally:
+        sub.free()
+    off = _with_env({"DTRUN_SHM": "0"}, lambda: collectives.Comm(comm.mpi))
+    assert {off.allreduce_path(b) for b in (8, 1 << 20, 64 << 20)} == {"mpi"}
+    forced = _with_env({"DTRUN_ALLREDUCE_PATH": "mpi"}, lambda: collectives.Comm(comm.mpi))
+    assert forced.allreduce_path(64 << 20) == "mpi"
+    if comm.size > 1:
+        assert "DTRUN_ALLREDUCE_PATH=mpi" in forced.allreduce_reason(64 << 20)
+        # A path this layout does not offer is refused on every rank alike.
+        _raises(ValueError, lambda: _with_env({"DTRUN_ALLREDUCE_PATH": "shm+ring"},
+                                              lambda: collectives.Comm(comm.mpi)),
+                "DTRUN_ALLREDUCE_PATH=shm+ring", "this layout offers")
+    fixed = _with_env({"DTRUN_TUNE": "0"}, lambda: collectives.Comm(comm.mpi))
+    try:
+        if shm_here:
+            assert fixed.allreduce_path(256 << 10) == "shm"
+            assert "DTRUN_TUNE=0" in fixed.allreduce_reason(256 << 10)
+        assert fixed.allreduce_path(8) == "mpi"
+    finally:
+        fixed.free()
+
+
+def case_path_cache_corrupt(comm):
+    """A cache file that does not parse, or an entry that does not fit, is discarded and
+    measured again; the rewritten file parses."""
+    import json
+    import tempfile
+
+    from collectives import cache, tuning
+    tmp = tempfile.mkdtemp(prefix="dtrun-tune-")
+    cands = [("mpi", 0)] + ([("shm", tuning.CHUNKS[0])] if comm.local_size > 1 else [])
+
+    def measured(content, max_load="1e9"):
+        path = os.path.join(tmp, "dtrun", tuning.CACHE_FILE)
+        if comm.rank == 0:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(content)
+        comm.barrier()
+        table = _with_env(
+            {"XDG_CACHE_HOME": tmp, "DTRUN_TUNE_MAX_LOAD": max_load},
+            lambda: tuning.calibrated(comm.mpi, comm.host, comm.local_size, comm.nnodes,
+                                      cands, comm._calibration_run))
+        ok = np.array([1], np.int64)
+        if comm.rank == 0:
+            doc = cache.load(cache.Path(path))
+            ok[0] = int(len(doc) == 1 and tuning._valid_rows(next(iter(doc.values()))["rows"],
+                                                             cands))
+        comm.mpi.Bcast(ok, root=0)
+        return table, bool(ok[0])
+
+    for junk in ("{not json", "[1, 2, 3]", "\x00\xff garbage"):
+        table, ok = measured(junk)
+        assert "(now," in table.source and ok, (junk, table.source)
+    # An entry under the right key with rows that do not fit: discarded too.
+    hosts = tuning._hosts(comm.mpi, comm.host)
+    key = tuning.cache_key(hosts, comm.local_size, comm.nnodes, cands)
+    bad = {key: {"rows": [[["warp", 0, 1.0, 1.0]] * len(tuning.BUCKETS)] * 2, "when": "x"}}
+    table, ok = measured(json.dumps(bad))
+    assert "(now," in table.source and ok
+    # A good entry is used as it is.
+    table, ok = measured(open(os.path.join(tmp, "dtrun", tuning.CACHE_FILE)).read()
+                         if comm.rank == 0 else "")
+    assert "(cached," in table.source and ok
+    # Measured on an overloaded host (every load exceeds -1 x cores): used, not written.
+    table, ok = measured("{}", max_load="-1")
+    assert "not cached: load" in table.source and not ok
+
+
 def case_soft_floats(comm):
     """float16 and bfloat16 (no MPI datatype): user-defined MPI ops and the shm path."""
     from collectives import dtypes as dt

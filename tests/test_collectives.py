@@ -81,6 +81,20 @@ def test_case_multi_rank(n, name):
 
 
 @pytest.mark.mpi
+def test_path_cases_on_four_ranks():
+    """Two emulated hosts of 2 ranks: the only layout here with every inter-host path
+    (shm+hierarchical, shm+ring, ring) and a shared-memory step on each host."""
+    names = "hierarchical,hierarchical_paths,ring_exact,path_selection_agrees"
+    proc = launch(4, "-m", "tests.collectives_cases", "--only", names, timeout=240)
+    reps = reports(proc)
+    assert len(reps) == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in reps:
+        assert not r["failed"], "\n".join(r["failed"].values())
+        assert sorted(r["passed"]) == sorted(names.split(","))
+    assert proc.returncode == 0
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3])
 def test_case_runner_exit_code(n):
     proc, _ = multi_rank(n)
@@ -325,3 +339,66 @@ def test_import_and_init_leave_environment_alone(preset):
     same_after_import, same_after_init, osc, size = json.loads(proc.stdout.strip().splitlines()[-1])
     assert same_after_import and same_after_init and size == 1
     assert osc == preset  # the user's own setting is kept as it was
+
+
+# ----------------------------------------------------------------------------- path table
+def test_path_table_decides_fastest_and_mpi_on_ties():
+    import numpy as np
+
+    from collectives import tuning
+    cands = [("mpi", 0), ("shm", tuning.CHUNKS[0]), ("shm", tuning.CHUNKS[1])]
+    times = np.full((len(tuning.BUCKETS), 2, 3), np.inf)
+    times[:, :, 0] = 1.0
+    times[:4, :, 1] = 2.0          # small sizes: MPI faster
+    times[4:, 0, 1] = 0.5          # larger, out of place: shm chunk 0 faster
+    times[4:, 1, 1] = 0.98         # in place: within the margin, MPI kept
+    times[6:, 0, 2] = 0.25         # largest: the second chunk faster still
+    times[8:, :, 0] = -1.0         # the last bucket not measured (budget)
+    rows = tuning.decide(times, cands)
+    assert [r[0] for r in rows[0][:4]] == ["mpi"] * 4 and [r[0] for r in rows[1]] == ["mpi"] * 9
+    assert rows[0][4][:2] == ("shm", tuning.CHUNKS[0]) and rows[0][7][:2] == ("shm", tuning.CHUNKS[1])
+    assert rows[0][8] == ("shm", tuning.CHUNKS[1], -1.0, -1.0)  # as the size below
+    table = tuning.Table(rows, "calibrated on test")
+    b = tuning.BUCKETS
+    assert table.floor == b[4]
+    # A size takes the largest bucket not above it; above the last, the last.
+    assert table.pick(b[4] - 1, False) == ("mpi", 0)
+    assert table.pick(b[4], False) == ("shm", tuning.CHUNKS[0])
+    assert table.pick(b[6] - 1, False) == ("shm", tuning.CHUNKS[0])
+    assert table.pick(b[6], False) == ("shm", tuning.CHUNKS[1])
+    assert table.pick(1 << 30, False) == ("shm", tuning.CHUNKS[1])
+    assert table.pick(1 << 30, True) == ("mpi", 0)
+    assert "shm 2.00x mpi at 64 KiB out of place" in table.explain(b[4])
+    assert "not measured at 16 MiB" in table.explain(64 << 20) and "as at 4 MiB" in \
+        table.explain(64 << 20)
+    assert tuning._valid_rows(rows, cands)
+    assert not tuning._valid_rows(rows, cands[:1])           # a path this layout lacks
+    assert not tuning._valid_rows([rows[0]], cands)          # one variant missing
+    assert not tuning._valid_rows([[("mpi", 0, "x", 1)] * 9] * 2, cands)
+    # Across hosts the small sizes are not measured: MPI, and the reason says so.
+    times[:tuning.HOSTS_FIRST, :, 0] = tuning.NOT_MEASURED
+    rows = tuning.decide(times, cands)
+    assert rows[0][0] == ("mpi", 0, tuning.NOT_MEASURED, tuning.NOT_MEASURED)
+    assert tuning._valid_rows(rows, cands)
+    assert "latency-bound and not measured" in tuning.Table(rows, "x").explain(1000)
+
+
+def test_fixed_rule_table():
+    from collectives import tuning
+    t = tuning.Table.fixed("shm", 1 << 20, 64 << 10, "env DTRUN_SHM_THRESHOLD=1M")
+    assert t.pick((1 << 20) - 1, False) == ("mpi", 0)
+    assert t.pick(1 << 20, True) == ("shm", 64 << 10)
+    assert t.explain(8 << 20) == ("shm (chunk 64 KiB): env DTRUN_SHM_THRESHOLD=1M: shm at or "
+                                  "above 1 MiB, chunk 64 KiB; mpi below")
+
+
+def test_cache_file_corrupt_or_missing_reads_empty(tmp_path):
+    from collectives import cache
+    f = tmp_path / "dtrun" / "c.json"
+    assert cache.load(f) == {}
+    f.parent.mkdir()
+    for junk in (b"{oops", b"[1]", b"\xff\xfe\x00", b""):
+        f.write_bytes(junk)
+        assert cache.load(f) == {}
+    assert cache.save(f, {"a": 1}) and cache.load(f) == {"a": 1}
+    assert not list(f.parent.glob(".*.tmp"))

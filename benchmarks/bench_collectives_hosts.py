@@ -1,0 +1,106 @@
+"""Allreduce across hosts: each path of our runtime against raw MPI, on a namespace cluster.
+
+Needs root (``tests/nscluster.py`` builds 3 hosts out of network namespaces on this
+machine; they share its cores and talk over veth links, which are not a NIC, so only
+ratios mean something). For 1-64 MiB (1-16 MiB with 2 ranks per host), ``python -m collectives.bench --baseline`` runs
+under dtrun across the hosts, once per path forced with ``--path``, and once with the
+measured choice (``auto``):
+
+* 2 ranks per host: ``shm+hierarchical`` (shared memory in each host, MPI_Allreduce
+  between hosts) and ``ring`` (reduce-scatter + allgather around all ranks); ``auto``
+  also weighs ``shm+ring`` (shared memory in each host, a ring between hosts);
+* 1 rank per host: ``ring`` against MPI's own choice.
+
+Ratio = raw MPI time / our time. Writes bench-results/collectives_hosts.md and .json
+(whose "markdown" lines bench_collectives.py adds to its report).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+OUT_DIR = REPO / "bench-results"
+BIN = Path(sys.executable).parent
+ROUNDS = os.environ.get("BENCH_HOSTS_ROUNDS", "1")
+# (ranks per host, paths, largest size). 6 ranks on this machine's 2 cores make raw MPI
+# crawl (a 4 MiB allreduce takes about 2 s: Open MPI polls while it waits), so that
+# layout stops at 16 MiB to keep the run to a few minutes.
+LAYOUTS = {"3 hosts x 1 rank": (1, ["auto", "ring"], "64M"),
+           "3 hosts x 2 ranks": (2, ["auto", "shm+hierarchical", "ring"], "16M")}
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:g} MiB"
+
+
+def run(cluster, per_host: int, path: str, largest: str) -> dict:
+    hosts = ",".join(f"{h.name}:{per_host}" for h in cluster.hosts)
+    args = ["-o", "allreduce", "-b", "1M", "-e", largest, "-f", "4", "-n", "1", "-w", "1",
+            "--baseline", "--rounds", ROUNDS, "--json", "-c", "1"]
+    if path != "auto":
+        args += ["--path", path]
+    cmd = [str(BIN / "dtrun"), "--no-tag-output", "--ssh-config", str(cluster.ssh_config), "-H", hosts,
+           sys.executable, "-m", "collectives.bench", *args]
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=env,
+                          stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                           f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    doc = json.loads(proc.stdout[proc.stdout.index("{"):])
+    doc["wall_s"] = round(time.monotonic() - t0, 1)
+    return doc
+
+
+def main() -> int:
+    from tests.nscluster import Cluster, ClusterUnavailable
+    results: dict[str, dict[str, dict]] = {}
+    try:
+        with Cluster(3) as cluster:
+            for layout, (per_host, paths, largest) in LAYOUTS.items():
+                results[layout] = {}
+                for p in paths:
+                    results[layout][p] = run(cluster, per_host, p, largest)
+                    print(f"{layout} {p}: {results[layout][p]['wall_s']} s", flush=True)
+    except ClusterUnavailable as e:
+        print(f"bench_collectives_hosts: no namespace cluster here ({e})")
+        return 0
+    lines = ["## Across hosts (namespace cluster, 3 hosts, veth links: ratios only)", "",
+             "Ratio = raw MPI_Allreduce time / ours with the path named (above 1: ours is "
+             "faster); out of place / in place. `auto` is the path table measured at start-up "
+             "(its choice in brackets).", ""]
+    wrong = 0
+    for layout, per_path in results.items():
+        paths = list(per_path)
+        lines += [f"{layout}:", "", "| size | " + " | ".join(paths) + " |",
+                  "|---|" + "---|" * len(paths)]
+        sizes = [r["size"] for r in per_path[paths[0]]["rows"]]
+        for i, size in enumerate(sizes):
+            cells = []
+            for p in paths:
+                r = per_path[p]["rows"][i]
+                wrong += r["oop_wrong"] + r["ip_wrong"]
+                cell = f"{r['oop_ratio']:.2f} / {r['ip_ratio']:.2f}"
+                if p == "auto":
+                    cell += f" [{r['oop_path']} / {r['ip_path']}]"
+                cells.append(cell)
+            lines.append(f"| {mib(size)} | " + " | ".join(cells) + " |")
+        lines.append("")
+    OUT_DIR.mkdir(exist_ok=True)
+    doc = {"markdown": lines, "results": results, "wrong": wrong}
+    (OUT_DIR / "collectives_hosts.json").write_text(json.dumps(doc, indent=1))
+    (OUT_DIR / "collectives_hosts.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

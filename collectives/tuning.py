@@ -1,0 +1,343 @@
+"""Which allreduce path (and shared-memory chunk) to take for each size: the path selector.
+
+Why measure instead of fixing a threshold: the shared-memory path wins by 1.5-4x while
+the data fits in cache and both ranks are on-CPU, and can lose to MPI when it does not,
+with crossovers that move with the host (cache sizes, core count, the MPI build). So a
+``Comm`` measures the candidates once per host layout and MPI, at creation:
+
+* candidates: ``mpi`` (MPI_Allreduce: whatever the library picks), ``shm`` with each
+  chunk of ``CHUNKS`` (one host), ``shm+hierarchical`` (shm within hosts, MPI_Allreduce
+  between), ``shm+ring`` (shm within hosts, a ring between), ``ring`` (a flat ring
+  over all ranks) — each only where it applies;
+* sizes: ``BUCKETS`` (256 B to 16 MiB, factor 4), out of place and in place; a size
+  takes the decision of the largest bucket not above it (below 256 B the 256 B one).
+  Across hosts from 64 KiB only (smaller sizes are latency-bound: MPI), one timed
+  round each. Larger sizes are skipped once their predicted cost (1.5x the previous
+  size's up to 256 KiB, 4x above) would overrun the time budget (0.6 s on one host,
+  3 s across hosts), and take the largest measured size's decision;
+* each candidate is timed in alternating rounds, each rank keeps its best round, the
+  slowest rank's time counts (an allreduce is as slow as its slowest rank);
+* rank 0 decides (fastest candidate; MPI on a tie) and broadcasts the table, so every
+  rank takes the same path for the same size, as it must (else the ranks deadlock).
+
+The table is cached (``$XDG_CACHE_HOME/dtrun/collectives-tuning.json``) under a key of
+the hosts, the MPI library, the layout (ranks per host, hosts) and this module's
+version; rank 0 reads it and broadcasts it, so a later job on the same hosts pays one
+file read. A cache entry that does not parse or does not fit is discarded and measured
+again. Calibration takes 0.1-0.5 s on an idle 2-core host (more when it is busy).
+
+Overrides, strongest first (same on every rank, as dtrun forwards the environment):
+``DTRUN_SHM=0`` (no shared-memory candidates), ``DTRUN_ALLREDUCE_PATH=<path>`` (that
+path at every size), an explicit ``shm_threshold``/``shm_chunk`` or
+``DTRUN_SHM_THRESHOLD``/``DTRUN_SHM_CHUNK`` (the fixed rule: shm at or above the
+threshold, with that chunk), ``DTRUN_TUNE=0`` (the fixed rule with the built-in
+defaults), ``DTRUN_TUNE=refresh`` (measure again and rewrite the cache entry). A measurement taken while the load average
+exceeds ``DTRUN_TUNE_MAX_LOAD`` (default 3) times the cores is used but not cached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from bisect import bisect_right
+from typing import Callable
+
+import numpy as np
+
+from . import cache
+from ._mpi import MPI
+
+VERSION = 2
+PATHS = ("mpi", "shm", "shm+hierarchical", "shm+ring", "ring")
+BUCKETS = tuple(256 * 4 ** i for i in range(9))  # 256 B .. 16 MiB
+CHUNKS = (128 << 10, 512 << 10, 2 << 20)
+ROUNDS = 3          # timed rounds per candidate (plus one untimed warm-up round) ...
+ROUNDS_SMALL = 5    # ... and up to 64 KiB, where rounds are cheap and noise is relatively large
+ROUND_MIN_S = 200e-6  # a timed round repeats the call until it lasts about this long
+MARGIN = 0.97       # another path must take under 97 % of MPI's time: on a tie, MPI
+BUDGET_S = 0.6      # past this, larger sizes take the decision of the largest measured
+HOSTS_BUDGET_S = 3.0  # the same across hosts (slower networks, more candidates)
+HOSTS_FIRST = 4     # across hosts, sizes below BUCKETS[4] = 64 KiB are latency-bound: MPI
+NOT_MEASURED, EXTRAPOLATED = -2.0, -1.0  # markers in place of times
+CACHE_FILE = "collectives-tuning.json"
+CACHE_ENTRIES = 32  # newest kept
+OVERLOAD = 3.0      # load average per core above which a measurement is not cached
+
+
+def _mib(n: int) -> str:
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):g} MiB"
+    return f"{n / 1024:g} KiB" if n >= 1024 else f"{n} B"
+
+
+class Table:
+    """The decision per size: ``pick(nbytes, inplace) -> (path, chunk)``, and why.
+
+    ``rows[inplace][i]`` is ``(path, chunk, t_path, t_mpi)`` for ``BUCKETS[i]`` (times in
+    seconds, 0 when not measured). ``floor`` is the smallest size that can leave MPI: the
+    allreduce hot path tests only that for small messages.
+    """
+
+    def __init__(self, rows: list[list[tuple]], source: str, rule: str = "") -> None:
+        self.rows = rows
+        self.source = source  # "calibrated on …", "env DTRUN_SHM_THRESHOLD=…", …
+        self.rule = rule
+        # Bucket i covers [BUCKETS[i], BUCKETS[i + 1]): a size between two measured sizes
+        # takes the smaller one's decision. At the low crossover that keeps MPI (the
+        # shared-memory path's advantage grows with size there): nearest-on-a-log-scale
+        # sent 8 KiB to the 16 KiB decision and lost 0.6x.
+        self._bounds = list(BUCKETS[1:])
+        floor = 1 << 62
+        for variant in rows:
+            for i, row in enumerate(variant):
+                if row[0] != "mpi":
+                    floor = min(floor, 0 if i == 0 else BUCKETS[i])
+        self.floor = floor
+
+    @classmethod
+    def fixed(cls, path: str, threshold: int, chunk: int, source: str) -> "Table":
+        """``path`` at or above ``threshold`` bytes, MPI below (no measurement)."""
+        t = cls([[("mpi", 0, 0.0, 0.0)] * len(BUCKETS) for _ in range(2)], source,
+                rule=f"{path} at or above {_mib(threshold)}, chunk {_mib(chunk)}; mpi below")
+        t._fixed = (path, chunk)
+        t.floor = threshold if path != "mpi" else 1 << 62
+        return t
+
+    def pick(self, nbytes: int, inplace: bool) -> tuple[str, int]:
+        if nbytes < self.floor:
+            return "mpi", 0
+        fixed = getattr(self, "_fixed", None)
+        if fixed is not None:
+            return fixed
+        row = self.rows[1 if inplace else 0][bisect_right(self._bounds, nbytes)]
+        return row[0], row[1]
+
+    def explain(self, nbytes: int, inplace: bool = False) -> str:
+        path, chunk = self.pick(nbytes, inplace)
+        what = path if path == "mpi" or not path.startswith("shm") else \
+            f"{path} (chunk {_mib(chunk)})"
+        if self.rule:
+            return f"{what}: {self.source}: {self.rule}"
+        i = bisect_right(self._bounds, nbytes)
+        _, _, t, t_mpi = self.rows[1 if inplace else 0][i]
+        place = "in place" if inplace else "out of place"
+        if t == NOT_MEASURED:
+            return (f"{what}: {self.source}: across hosts sizes below {_mib(BUCKETS[HOSTS_FIRST])}"
+                    " are latency-bound and not measured")
+        if t < 0:
+            j = max(k for k in range(i) if self.rows[1 if inplace else 0][k][2] != EXTRAPOLATED)
+            return (f"{what}: {self.source}: not measured at {_mib(BUCKETS[i])} (calibration "
+                    f"time budget); as at {_mib(BUCKETS[j])} {place}")
+        if path == "mpi":
+            how = "mpi was fastest"
+        else:
+            how = f"{path} {t_mpi / t:.2f}x mpi" if t > 0 and t_mpi > 0 else path
+        return f"{what}: {self.source}: {how} at {_mib(BUCKETS[i])} {place}"
+
+    def to_json(self) -> dict:
+        return {"rows": self.rows, "source": self.source, "rule": self.rule}
+
+
+def candidates(shm: bool, nnodes: int, uniform: bool, local_size: int) -> list[tuple[str, int]]:
+    """(path, chunk) pairs that apply to this layout."""
+    out: list[tuple[str, int]] = [("mpi", 0)]
+    shm_ok = shm and local_size > 1 and (nnodes == 1 or uniform)
+    if nnodes == 1:
+        if shm_ok:
+            out += [("shm", c) for c in CHUNKS]
+        return out
+    if shm_ok:
+        # Across hosts the network dominates: one chunk size keeps calibration short.
+        out += [("shm+hierarchical", CHUNKS[1]), ("shm+ring", CHUNKS[1])]
+    out.append(("ring", 0))
+    return out
+
+
+def applies(cand: tuple[str, int], nbytes: int) -> bool:
+    """A chunk matters only below the size: of the chunks >= the size, time the smallest."""
+    path, chunk = cand
+    if chunk == 0:
+        return True
+    bigger = [c for c in CHUNKS if c >= nbytes]
+    return chunk < nbytes or (bool(bigger) and chunk == min(bigger))
+
+
+def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
+            run: Callable[[tuple[str, int], np.ndarray, np.ndarray, bool], None],
+            first: int = 0, rounds: tuple[int, int] = (ROUNDS_SMALL, ROUNDS),
+            budget: float = BUDGET_S) -> np.ndarray:
+    """Seconds per call, shape (len(BUCKETS), 2 [out of place, in place], len(cands)):
+    each rank's best round, then the maximum over ranks (inf: not applicable).
+
+    Buckets below ``first`` are not measured (MPI's time is ``NOT_MEASURED``); buckets
+    whose predicted cost (from the previous bucket's) would overrun ``budget`` are not
+    either (``EXTRAPOLATED``: they take the decision of the largest measured size).
+    ``rounds``: timed rounds up to 64 KiB, and above.
+    """
+    best = np.full((len(BUCKETS), 2, len(cands)), np.inf)
+    best[:first, :, 0] = NOT_MEASURED
+    start = time.perf_counter()
+    spent = np.zeros(1)
+    before = 0.0
+    for si in range(first, len(BUCKETS)):
+        nbytes = BUCKETS[si]
+        spent[0] = time.perf_counter() - start
+        mpi.Allreduce(MPI.IN_PLACE, spent, op=MPI.MAX)  # every rank stops at the same size
+        # The next size's cost, from the last one's: 4x where bandwidth-bound, latency
+        # dominates below 256 KiB (where a busy host's stalls also make the last one noisy).
+        grow = 4 if nbytes > 256 << 10 else 1.5
+        if si > first and spent[0] + grow * (spent[0] - before) > budget:
+            best[si:, :, 0] = EXTRAPOLATED
+            break
+        before = float(spent[0])
+        x = np.zeros(nbytes // 4, dtype=np.float32)  # zeros: sums stay finite however often
+        y = np.zeros_like(x)
+        iters = np.ones((2, len(cands)), dtype=np.int64)
+        for rnd in range((rounds[0] if nbytes <= 64 << 10 else rounds[1]) + 1):
+            for ci, cand in enumerate(cands):
+                if not applies(cand, nbytes):
+                    continue
+                for ip in (0, 1):
+                    src = y if ip else x
+                    n = int(iters[ip, ci])
+                    mpi.Barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        run(cand, src, y, bool(ip))
+                    dt = (time.perf_counter() - t0) / n
+                    if rnd == 0:
+                        # Warm-up round: size the timed rounds (same count on all ranks).
+                        iters[ip, ci] = max(1, min(200, int(ROUND_MIN_S / max(dt, 1e-7))))
+                    else:
+                        best[si, ip, ci] = min(best[si, ip, ci], dt)
+            if rnd == 0:
+                mpi.Allreduce(MPI.IN_PLACE, iters, op=MPI.MAX)
+    mpi.Allreduce(MPI.IN_PLACE, best, op=MPI.MAX)
+    return best
+
+
+def decide(times: np.ndarray, cands: list[tuple[str, int]]) -> list[list[tuple]]:
+    """rows[inplace][bucket] = (path, chunk, t_path, t_mpi): the fastest, MPI on a tie
+    (another path must be ``MARGIN`` faster: measurement noise must not pick a loser)."""
+    rows: list[list[tuple]] = [[], []]
+    for ip in (0, 1):
+        for si in range(len(BUCKETS)):
+            t = times[si, ip].copy()
+            if t[0] == NOT_MEASURED:
+                rows[ip].append(("mpi", 0, NOT_MEASURED, NOT_MEASURED))
+                continue
+            if t[0] < 0:  # not measured (calibration budget): as the size below
+                rows[ip].append(rows[ip][-1][:2] + (EXTRAPOLATED, EXTRAPOLATED))
+                continue
+            k = int(np.argmin(t))
+            if not t[k] < MARGIN * t[0]:
+                k = 0
+            path, chunk = cands[k]
+            rows[ip].append((path, int(chunk), float(t[k]), float(t[0])))
+    return rows
+
+
+def _valid_rows(rows, cands: list[tuple[str, int]]) -> bool:
+    allowed = {(p, c) for p, c in cands}
+    try:
+        if len(rows) != 2 or any(len(v) != len(BUCKETS) for v in rows):
+            return False
+        for v in rows:
+            for path, chunk, t, t_mpi in v:
+                if (path, chunk) not in allowed or \
+                        not (t >= 0 or t == t_mpi in (NOT_MEASURED, EXTRAPOLATED)):
+                    return False
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _bcast_json(mpi: MPI.Intracomm, doc) -> object:
+    """Rank 0's JSON-able ``doc`` on every rank (buffer calls: length, then bytes)."""
+    data = json.dumps(doc).encode() if mpi.Get_rank() == 0 else b""
+    n = np.array([len(data)], dtype=np.int64)
+    mpi.Bcast(n, root=0)
+    buf = np.frombuffer(data, dtype=np.uint8).copy() if mpi.Get_rank() == 0 else \
+        np.empty(int(n[0]), dtype=np.uint8)
+    mpi.Bcast(buf, root=0)
+    return json.loads(buf.tobytes().decode())
+
+
+def _hosts(mpi: MPI.Intracomm, host: str) -> list[str]:
+    """Every rank's host name, on every rank (fixed-width buffers, no pickling)."""
+    width = 256
+    mine = np.zeros(width, dtype=np.uint8)
+    raw = host.encode()[:width]
+    mine[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    table = np.empty((mpi.Get_size(), width), dtype=np.uint8)
+    mpi.Allgather(mine, table)
+    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in table]
+
+
+def cache_key(hosts: list[str], local_size: int, nnodes: int, cands) -> str:
+    mpi = MPI.Get_library_version().splitlines()[0].strip()[:80]
+    names = ",".join(sorted(set(hosts)))
+    kinds = ",".join(sorted({p for p, _ in cands}))
+    return (f"v{VERSION}|{names}|{mpi}|ranks {len(hosts)} x{local_size}/host "
+            f"{nnodes} host(s)|{kinds}|numpy {np.__version__}")
+
+
+def calibrated(mpi: MPI.Intracomm, host: str, local_size: int, nnodes: int,
+               cands: list[tuple[str, int]], run, refresh: bool = False) -> Table:
+    """The measured table for this layout: from the cache, or measured now (collective)."""
+    hosts = _hosts(mpi, host)
+    key = cache_key(hosts, local_size, nnodes, cands)
+    path = cache.cache_dir() / CACHE_FILE
+    entry = None
+    if mpi.Get_rank() == 0 and not refresh:
+        found = cache.load(path).get(key)
+        if isinstance(found, dict) and _valid_rows(found.get("rows"), cands) \
+                and isinstance(found.get("when"), str):
+            entry = found
+    entry = _bcast_json(mpi, entry)
+    if entry is not None:
+        rows = [[tuple(r) for r in v] for v in entry["rows"]]
+        return Table(rows, f"calibrated on {hosts[0]}/{_mpi_name()} at {entry['when']} "
+                           f"(cached, took {entry.get('took_s', 0):.2f} s)")
+    load0 = _load()
+    t0 = time.perf_counter()
+    if nnodes > 1:
+        times = measure(mpi, cands, run, first=HOSTS_FIRST, rounds=(1, 1),
+                        budget=HOSTS_BUDGET_S)
+    else:
+        times = measure(mpi, cands, run)
+    took = time.perf_counter() - t0
+    entry = None
+    if mpi.Get_rank() == 0:
+        load = max(load0, _load())
+        entry = {"rows": decide(times, cands), "took_s": round(took, 3),
+                 "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load": round(load, 2)}
+        # On a host loaded far beyond its cores the timings say more about the other jobs
+        # than about the paths: use them for this communicator, keep them out of the cache.
+        limit = float(os.environ.get("DTRUN_TUNE_MAX_LOAD", "") or OVERLOAD)
+        busy = load > limit * (os.cpu_count() or 1)
+        entry["note"] = f"; not cached: load {load:.1f} on {os.cpu_count()} cores" if busy else ""
+        if not busy:
+            doc = cache.load(path)
+            doc[key] = entry
+            while len(doc) > CACHE_ENTRIES:  # drop the oldest entries
+                doc.pop(min(doc, key=lambda k: str(doc[k].get("when", "")) if
+                            isinstance(doc[k], dict) else ""))
+            cache.save(path, doc)
+    entry = _bcast_json(mpi, entry)
+    rows = [[tuple(r) for r in v] for v in entry["rows"]]
+    return Table(rows, f"calibrated on {hosts[0]}/{_mpi_name()} at {entry['when']} "
+                       f"(now, took {entry['took_s']:.2f} s{entry['note']})")
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return 0.0
+
+
+def _mpi_name() -> str:
+    v = MPI.Get_library_version().split(",")[0].strip()
+    return v or "MPI"
