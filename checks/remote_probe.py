@@ -180,11 +180,13 @@ def python_info(job_python, load_mpi=True):
 class Listener:
     """A TCP listener on an ephemeral port that accepts and closes, for the firewall check."""
 
+    backlog = 256
+
     def __init__(self):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("0.0.0.0", 0))
-        self.sock.listen(256)
+        self.sock.listen(self.backlog)
         self.port = self.sock.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -192,29 +194,21 @@ class Listener:
         while True:
             try:
                 conn, _ = self.sock.accept()
-                conn.close()
             except OSError:
                 return
+            self._handle(conn)
+
+    def _handle(self, conn):
+        conn.close()
 
 
-class LinkListener:
+class LinkListener(Listener):
     """The far end of a link measurement: echoes pings (``p``), counts bulk bytes (``b``)."""
 
-    def __init__(self):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("0.0.0.0", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+    backlog = 16
 
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+    def _handle(self, conn):
+        threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     @staticmethod
     def _serve(conn):
