@@ -155,6 +155,10 @@ class Comm:
                       shm_chunk: int | None, path: str | None) -> "_tuning.Table":
         """The allreduce path table (collective when it measures): see tuning.py."""
         env = os.environ
+        tune = env.get("DTRUN_TUNE", "1").strip().lower() or "1"
+        if tune not in ("0", "1", "refresh"):  # the same on every rank: dtrun forwards the environment
+            raise ValueError(f"DTRUN_TUNE={tune!r}: use 1 (measure, cached), 0 (the fixed rule) or refresh")
+        _tuning.max_load()  # checked on every rank here: only rank 0 reads it, and must not fail alone
         cands = _tuning.candidates(self._shm is not None, self.nnodes, self._uniform_nodes,
                                    self.local_size)
         if self.size == 1 or len(cands) == 1:
@@ -173,7 +177,6 @@ class Comm:
                 else int(shm_chunk)
             return _tuning.Table.fixed(forced, 0, chunk, origin)
         env_t, env_c = env.get("DTRUN_SHM_THRESHOLD", "").strip(), env.get("DTRUN_SHM_CHUNK", "").strip()
-        tune = env.get("DTRUN_TUNE", "1").strip().lower()
         if shm_threshold is not None or shm_chunk is not None or env_t or env_c or tune == "0":
             threshold = (env_bytes("DTRUN_SHM_THRESHOLD", DEFAULT_SHM_THRESHOLD)
                          if shm_threshold is None else int(shm_threshold))

@@ -65,6 +65,25 @@ CACHE_ENTRIES = 32  # newest kept
 OVERLOAD = 3.0      # load average per core above which a measurement is not cached
 
 
+def max_load() -> float:
+    """``DTRUN_TUNE_MAX_LOAD`` (load average per core above which a measurement is not cached;
+    a negative value: never cached).
+
+    Raises:
+        ValueError: it is set to something other than a finite number (the message names it).
+    """
+    raw = os.environ.get("DTRUN_TUNE_MAX_LOAD", "").strip()
+    if not raw:
+        return OVERLOAD
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"DTRUN_TUNE_MAX_LOAD={raw!r}: give a load average per core (e.g. 3; negative: never cache)")
+    return value
+
+
 def _mib(n: int) -> str:
     if n >= 1 << 20:
         return f"{n / (1 << 20):g} MiB"
@@ -315,7 +334,7 @@ def calibrated(mpi: MPI.Intracomm, host: str, local_size: int, nnodes: int,
                  "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load": round(load, 2)}
         # On a host loaded far beyond its cores the timings say more about the other jobs
         # than about the paths: use them for this communicator, keep them out of the cache.
-        limit = float(os.environ.get("DTRUN_TUNE_MAX_LOAD", "") or OVERLOAD)
+        limit = max_load()
         busy = load > limit * (os.cpu_count() or 1)
         entry["note"] = f"; not cached: load {load:.1f} on {os.cpu_count()} cores" if busy else ""
         if not busy:

@@ -333,6 +333,11 @@ def case_path_env_overrides(comm):
         _raises(ValueError, lambda: _with_env({"DTRUN_ALLREDUCE_PATH": "shm+ring"},
                                               lambda: collectives.Comm(comm.mpi)),
                 "DTRUN_ALLREDUCE_PATH=shm+ring", "this layout offers")
+    _raises(ValueError, lambda: _with_env({"DTRUN_TUNE": "yes"}, lambda: collectives.Comm(comm.mpi)),
+            "DTRUN_TUNE='yes'", "refresh")
+    for bad in ("abc", "nan", "inf"):  # rank 0 alone reads it at the end of a measurement: every rank refuses it first
+        _raises(ValueError, lambda: _with_env({"DTRUN_TUNE_MAX_LOAD": bad}, lambda: collectives.Comm(comm.mpi)),
+                f"DTRUN_TUNE_MAX_LOAD={bad!r}")
     fixed = _with_env({"DTRUN_TUNE": "0"}, lambda: collectives.Comm(comm.mpi))
     try:
         if shm_here:
