@@ -4,8 +4,8 @@ Progress is a collective of the bundled runtime started on any rank (the flight
 recorders' sequence numbers, read on each host by a ``stackagent.py watch`` process);
 for a job that does not use the runtime, output: lines dtrun relays from any rank, or
 growth of a rank's log under --log-dir. The clock starts when every rank has started.
-When nothing progressed for ``hang_timeout`` seconds the monitor prints the roll-call report (launcher/stacks.py) once, and again
-only after progress resumed and stalled anew. ``on_hang="abort"`` then stops the job,
+When nothing progressed for ``hang_timeout`` seconds the monitor prints the roll-call
+report (launcher/stacks.py) once, and again only after progress resumed and stalled anew. ``on_hang="abort"`` then stops the job,
 and dtrun exits with ExitCode.HANG.
 """
 from __future__ import annotations
