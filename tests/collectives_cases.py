@@ -266,19 +266,25 @@ def _path_codes(comm, c):
                      for b in tuning.BUCKETS + (3, 5 << 20, 64 << 20)], dtype=np.int64)
 
 
+def _with_env(values: dict, make):
+    """``make()`` with ``values`` set in os.environ, which is restored after."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: v for k, v in values.items()})
+    try:
+        return make()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def case_path_selection_agrees(comm):
     """A measured path table: the same path for every size on every rank, and every size
     bucket reduces correctly along its path."""
     from collectives import tuning
-    old = os.environ.get("DTRUN_TUNE")
-    os.environ["DTRUN_TUNE"] = "refresh"
-    try:
-        sub = collectives.Comm(comm.mpi)
-    finally:
-        if old is None:
-            os.environ.pop("DTRUN_TUNE")
-        else:
-            os.environ["DTRUN_TUNE"] = old
+    sub = _with_env({"DTRUN_TUNE": "refresh"}, lambda: collectives.Comm(comm.mpi))
     try:
         codes = _path_codes(comm, sub)
         assert _same_everywhere(comm, codes)
@@ -292,19 +298,6 @@ def case_path_selection_agrees(comm):
                 np.testing.assert_array_equal(got, _total(comm, n))
     finally:
         sub.free()
-
-
-def _with_env(values: dict, make):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update({k: v for k, v in values.items()})
-    try:
-        return make()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def case_path_env_overrides(comm):
@@ -615,15 +608,7 @@ def case_grouped(comm):
 
 
 def case_fusion_env(comm):
-    old = os.environ.get("DTRUN_FUSION_THRESHOLD")
-    os.environ["DTRUN_FUSION_THRESHOLD"] = "2K"
-    try:
-        sub = collectives.Comm(comm.mpi)
-    finally:
-        if old is None:
-            os.environ.pop("DTRUN_FUSION_THRESHOLD")
-        else:
-            os.environ["DTRUN_FUSION_THRESHOLD"] = old
+    sub = _with_env({"DTRUN_FUSION_THRESHOLD": "2K"}, lambda: collectives.Comm(comm.mpi))
     assert sub.fusion_threshold == 2048
     xs = [_pat(100, comm.rank) for _ in range(10)]
     sub.grouped_allreduce(xs)
