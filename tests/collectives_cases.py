@@ -160,15 +160,20 @@ def case_hierarchical(comm):
         for dtype in (np.float32, np.int64):
             x = _pat(10007, comm.rank, dtype)
             np.testing.assert_array_equal(sub.allreduce(x), _total(comm, 10007, dtype))
-        rng = np.random.default_rng(comm.rank)
-        got = sub.allreduce(rng.standard_normal(9000))
-        assert _same_everywhere(comm, got)
-        grads = [_pat(n, comm.rank) for n in (300, 5, 2000)]
-        sub.grouped_allreduce(grads)
-        for g in grads:
-            np.testing.assert_array_equal(g, _total(comm, g.size))
+        _same_bits_and_grouped(comm, sub, 9000, (300, 5, 2000))
     finally:
         sub.free()
+
+
+def _same_bits_and_grouped(comm, sub, n_random, grad_sizes):
+    """Along ``sub``'s path: a random float64 sum gives the same bits on every rank, and a
+    grouped allreduce of ``grad_sizes`` arrays gives exact sums."""
+    rng = np.random.default_rng(comm.rank)
+    assert _same_everywhere(comm, sub.allreduce(rng.standard_normal(n_random)))
+    grads = [_pat(k, comm.rank) for k in grad_sizes]
+    sub.grouped_allreduce(grads)
+    for g in grads:
+        np.testing.assert_array_equal(g, _total(comm, g.size))
 
 
 def case_hierarchical_paths(comm):
@@ -192,12 +197,7 @@ def case_hierarchical_paths(comm):
                 np.testing.assert_array_equal(x, _total(comm, n, dtype))
             avg = sub.allreduce(np.full(5000, 2.0 * comm.rank), op="avg")
             np.testing.assert_array_equal(avg, np.full(5000, comm.size - 1.0))
-            rng = np.random.default_rng(comm.rank)
-            assert _same_everywhere(comm, sub.allreduce(rng.standard_normal(70000)))
-            grads = [_pat(k, comm.rank) for k in (300, 5, 20000)]
-            sub.grouped_allreduce(grads)
-            for g in grads:
-                np.testing.assert_array_equal(g, _total(comm, g.size))
+            _same_bits_and_grouped(comm, sub, 70000, (300, 5, 20000))
         finally:
             sub.free()
 
