@@ -14,7 +14,7 @@ TORCH_WHEELS ?= /opt/wheels
 
 .PHONY: setup system-packages demo test test-unit test-scale bench bench-scale cluster-up cluster-down clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py collectives/_fastshm.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'

@@ -34,6 +34,7 @@ from . import recorder as _rec
 from .handle import Handle
 from . import tuning as _tuning
 from .ring import Ring
+from . import shm1 as _shm1
 from .shm import SINGLE_STEP_MAX, ShmReducer
 from .sizes import env_bytes
 
@@ -121,7 +122,7 @@ class Comm:
         self.nnodes = len(leaders)
         self._uniform_nodes = len(set(int(v) for v in table[:, 1])) == 1
 
-        self.check = _env_flag("DTRUN_CHECK") if check is None else bool(check)
+        self._check = _env_flag("DTRUN_CHECK") if check is None else bool(check)
         self.fusion_threshold = env_bytes("DTRUN_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)
         use_shm = (os.environ.get("DTRUN_SHM", "1").strip() != "0") if shm is None else shm
         self._shm: ShmReducer | None = None
@@ -136,6 +137,13 @@ class Comm:
             self._shm = ShmReducer(node_comm, self._cross_comm, DEFAULT_SHM_CHUNK)
         if self.nnodes > 1:
             self._ring = Ring(comm.Dup())
+        # The compiled engine (shm1.py): the one-step shared-memory path on one host, and
+        # the recorder's store. Its allreduce() falls back to this class's for what it
+        # does not take.
+        self._engine = self._engine_win = None
+        if _shm1.available():
+            node = node_comm if self._shm is not None and self.nnodes == 1 else None
+            self._engine, self._engine_win = _shm1.engine(node, Comm.allreduce.__get__(self))
         self._opcache: dict[tuple[np.dtype, str], tuple] = {}
         self._fusion_bufs: dict[np.dtype, np.ndarray] = {}
         self._group_plans: dict[tuple, tuple] = {}
@@ -145,11 +153,44 @@ class Comm:
         self._rec = None  # ring view of the flight recorder, when this Comm owns it
         self._rec_map = None
         self._paths = self._select_paths(use_shm, shm_threshold, shm_chunk, path)
+        self._rec_store = self._py_rec_store
         if not _REC_TAKEN[0] and comm == MPI.COMM_WORLD:
             ring = _rec.open_ring(self.rank)
             if ring is not None:
                 _REC_TAKEN[0] = True
                 self._rec_map, self._rec = ring
+                if self._engine is not None:
+                    addr = np.frombuffer(self._rec, dtype=np.int64).ctypes.data
+                    descs = tuple(_rec.OP_BITS["allreduce"] | _rec.dtype_bits(name)
+                                  for name in _shm1.TYPE_NAMES)
+                    self._engine.set_recorder(addr, _REC_MASK, descs, _REC_COUNT_MAX)
+                    self._rec_store = self._engine.note
+        if self._engine_win is not None:
+            self._fast_limits()
+            # The instance's allreduce is the engine's: NumPy calls it takes run in C with
+            # no Python frame; the rest go to Comm.allreduce.
+            self.allreduce = self._engine.allreduce
+
+    @property
+    def check(self) -> bool:
+        """DTRUN_CHECK mode: ranks compare each collective's signature first."""
+        return self._check
+
+    @check.setter
+    def check(self, value: bool) -> None:
+        self._check = bool(value)
+        self._fast_limits()
+
+    def _fast_limits(self) -> None:
+        """The sizes the compiled allreduce takes without entering Python: those below the
+        first size whose path is not shm1 (none in DTRUN_CHECK mode, which Python does)."""
+        eng = getattr(self, "_engine", None)
+        if eng is None or self._engine_win is None:
+            return
+        if self._check:
+            eng.limit_out = eng.limit_in = 0
+        else:
+            eng.limit_out, eng.limit_in = (self._paths.leading("shm1", ip) for ip in (False, True))
 
     def _select_paths(self, use_shm: bool, shm_threshold: int | None,
                       shm_chunk: int | None, path: str | None) -> "_tuning.Table":
@@ -160,7 +201,7 @@ class Comm:
             raise ValueError(f"DTRUN_TUNE={tune!r}: use 1 (measure, cached), 0 (the fixed rule) or refresh")
         _tuning.max_load()  # checked on every rank here: only rank 0 reads it, and must not fail alone
         cands = _tuning.candidates(self._shm is not None, self.nnodes, self._uniform_nodes,
-                                   self.local_size)
+                                   self.local_size, compiled=self._engine_win is not None)
         if self.size == 1 or len(cands) == 1:
             why = ("one rank" if self.size == 1 else "DTRUN_SHM=0" if not use_shm else
                    "no shared-memory peers on this host" if self.local_size == 1 else
@@ -197,11 +238,17 @@ class Comm:
                          inplace: bool) -> None:
         """One float32 sum allreduce of ``src`` into ``dst`` along candidate path ``cand``."""
         t, mop, kern, finish, _, _ = self._redop(src, SUM, "allreduce")
-        self._via(cand[0], cand[1], src, dst, inplace, t, mop, kern, finish)
+        self._via(cand[0], cand[1], src, dst, inplace, t, mop, kern, finish, SUM)
 
     def _via(self, path: str, chunk: int, src: np.ndarray, dst: np.ndarray, inplace: bool,
-             t, mop, kern, finish) -> None:
+             t, mop, kern, finish, canon: str) -> None:
         """Allreduce ``src`` into ``dst`` (the same array when ``inplace``) along ``path``."""
+        if path == "shm1":
+            # The compiled engine; a dtype it does not reduce (float16, bfloat16, complex)
+            # takes the Python shared-memory path (all ranks alike: same dtype everywhere).
+            if self._engine.reduce(src, dst, canon):
+                return
+            path, chunk = "shm", DEFAULT_SHM_CHUNK
         if path == "mpi":
             self.mpi.Allreduce(IN_PLACE if inplace else [src, t], [dst, t], mop)
             if finish is not None:
@@ -327,11 +374,15 @@ class Comm:
     def _note(self, opname: str, x: np.ndarray | None, redop: str | None = None,
               root: int = -1) -> None:
         """Flight recorder: this rank starts collective ``opname`` (collectives/recorder.py)."""
-        s = self._seq = self._seq + 1
-        i = (s & _REC_MASK) << 1
         desc = _rec.OP_BITS.get(opname, 0) | _rec.root_bits(root)
         if x is not None:
             desc |= _rec.dtype_bits(_dt.dtype_name(x.dtype)) | min(x.size, _REC_COUNT_MAX)
+        self._rec_store(desc)
+
+    def _py_rec_store(self, desc: int) -> None:
+        """The recorder's store without the compiled engine: desc, then the sequence number."""
+        s = self._seq = self._seq + 1
+        i = (s & _REC_MASK) << 1
         self._rec[i + 1] = desc
         self._rec[i] = s
 
@@ -387,6 +438,12 @@ class Comm:
         if self._shm is not None:
             self._shm.free()
             self._shm = None
+        if self._engine_win is not None:
+            self.__dict__.pop("allreduce", None)  # back to Comm.allreduce (breaks the cycle)
+            _shm1.free(self._engine_win)
+            self._engine_win = None
+            if self._rec_store != self._engine.note:
+                self._engine = None
         self._paths = _tuning.Table.fixed("mpi", 0, 0, "freed")
 
     # ---------------------------------------------------------------- running an op
@@ -496,12 +553,8 @@ class Comm:
             self._type(x, "allreduce")
         if self.check:
             self._signature("allreduce", x, canon)
-        r = self._rec
-        if r is not None:  # flight recorder, inlined
-            s = self._seq = self._seq + 1
-            i = (s & _REC_MASK) << 1
-            r[i + 1] = rbits | x.size
-            r[i] = s
+        if self._rec is not None:  # flight recorder
+            self._rec_store(rbits | min(x.size, _REC_COUNT_MAX))
         if inplace or out is x:
             out, send = x, IN_PLACE
         elif out is None:
@@ -516,7 +569,7 @@ class Comm:
             path, chunk = paths.pick(x.nbytes, send is IN_PLACE)
             if path != "mpi":
                 with self._errors("allreduce"):
-                    self._via(path, chunk, x, out, send is IN_PLACE, t, mop, kern, finish)
+                    self._via(path, chunk, x, out, send is IN_PLACE, t, mop, kern, finish, canon)
                 return out
         try:
             self.mpi.Allreduce(send, [out, t], mop)
@@ -532,12 +585,8 @@ class Comm:
             self._type(x, opname)
         if self.check:
             self._signature("allreduce", x, canon)
-        r = self._rec
-        if r is not None:  # flight recorder, inlined: allreduce is the hot path
-            s = self._seq = self._seq + 1
-            i = (s & _REC_MASK) << 1
-            r[i + 1] = rbits | x.size
-            r[i] = s
+        if self._rec is not None:  # flight recorder
+            self._rec_store(rbits | min(x.size, _REC_COUNT_MAX))
         if inplace or out is x:
             out, send = x, IN_PLACE
         else:
@@ -552,9 +601,9 @@ class Comm:
             out = c[2]
             path, chunk = paths.pick(x.nbytes, out is x)
             if path != "mpi":
-                t, mop, kern, finish, _, _ = self._redop(x, op, "allreduce")  # cached
+                t, mop, kern, finish, canon, _ = self._redop(x, op, "allreduce")  # cached
                 with self._errors("allreduce"):
-                    self._via(path, chunk, x, out, out is x, t, mop, kern, finish)
+                    self._via(path, chunk, x, out, out is x, t, mop, kern, finish, canon)
                 return out
         return self._run("allreduce", c)
 

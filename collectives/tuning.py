@@ -48,8 +48,8 @@ import numpy as np
 from . import cache
 from ._mpi import MPI
 
-VERSION = 2
-PATHS = ("mpi", "shm", "shm+hierarchical", "shm+ring", "ring")
+VERSION = 3
+PATHS = ("mpi", "shm1", "shm", "shm+hierarchical", "shm+ring", "ring")
 BUCKETS = tuple(256 * 4 ** i for i in range(9))  # 256 B .. 16 MiB
 CHUNKS = (128 << 10, 512 << 10, 2 << 20)
 ROUNDS = 3          # timed rounds per candidate (plus one untimed warm-up round) ...
@@ -123,6 +123,18 @@ class Table:
         t.floor = threshold if path != "mpi" else 1 << 62
         return t
 
+    def leading(self, path: str, inplace: bool) -> int:
+        """The sizes from 0 up to the returned bound (exclusive) all take ``path``: the
+        compiled allreduce takes those without entering Python."""
+        fixed = getattr(self, "_fixed", None)
+        if fixed is not None:
+            return 1 << 62 if fixed[0] == path and self.floor == 0 else 0
+        row = self.rows[1 if inplace else 0]
+        for i, r in enumerate(row):
+            if r[0] != path:
+                return 0 if i == 0 else BUCKETS[i]
+        return 1 << 62
+
     def pick(self, nbytes: int, inplace: bool) -> tuple[str, int]:
         if nbytes < self.floor:
             return "mpi", 0
@@ -134,7 +146,7 @@ class Table:
 
     def explain(self, nbytes: int, inplace: bool = False) -> str:
         path, chunk = self.pick(nbytes, inplace)
-        what = path if path == "mpi" or not path.startswith("shm") else \
+        what = path if path in ("mpi", "shm1") or not path.startswith("shm") else \
             f"{path} (chunk {_mib(chunk)})"
         if self.rule:
             return f"{what}: {self.source}: {self.rule}"
@@ -158,11 +170,15 @@ class Table:
         return {"rows": self.rows, "source": self.source, "rule": self.rule}
 
 
-def candidates(shm: bool, nnodes: int, uniform: bool, local_size: int) -> list[tuple[str, int]]:
-    """(path, chunk) pairs that apply to this layout."""
+def candidates(shm: bool, nnodes: int, uniform: bool, local_size: int,
+               compiled: bool = False) -> list[tuple[str, int]]:
+    """(path, chunk) pairs that apply to this layout (``compiled``: the shm1 engine is
+    there; its chunk is its own, recorded as 0)."""
     out: list[tuple[str, int]] = [("mpi", 0)]
     shm_ok = shm and local_size > 1 and (nnodes == 1 or uniform)
     if nnodes == 1:
+        if shm_ok and compiled:
+            out.append(("shm1", 0))
         if shm_ok:
             out += [("shm", c) for c in CHUNKS]
         return out

@@ -202,6 +202,84 @@ def case_hierarchical_paths(comm):
             sub.free()
 
 
+def case_shm1_exact(comm):
+    """The compiled one-step path (shm1), forced at every size: every dtype and op the
+    runtime reduces (float16/bfloat16/complex through its Python fallback), counts of 0, 1,
+    7, 1001 and 3 steps of its slot plus a tail, in place, out of place and out=, exact;
+    random floats give the same bits on every rank; what it does not take (a strided array,
+    a wrong out, DTRUN_CHECK mode) reaches the Python path and its errors."""
+    from collectives import dtypes as dt, shm1
+    if comm.local_size < 2 or comm.nnodes > 1:
+        raise Skip("shm1 needs several ranks on one host and no other host")
+    if not shm1.available():
+        _raises(ValueError, lambda: collectives.Comm(comm.mpi, path="shm1"), "this layout offers")
+        raise Skip(f"the compiled engine is not in use here: {shm1.why_not()}")
+    sub = collectives.Comm(comm.mpi, path="shm1")
+    try:
+        assert sub.allreduce_path(8) == sub.allreduce_path(64 << 20, True) == "shm1"
+        assert type(sub).allreduce is not sub.allreduce  # the engine's entry point
+        steps = 3 * shm1.cap_for(comm.local_size) // 8 + 5  # float64: 3 slots and a tail
+        for dtype in _reduce_dtypes():
+            for op in collectives.dtypes.REDUCE_OPS:
+                if dt.reduce_problem(dtype, op):
+                    continue
+                for n in (0, 1, 7, 1001) + ((steps,) if dtype in (np.float64, np.int32) else ()):
+                    full, vals = _expect(comm, n, dtype, op)
+                    want = dt.from_float64(full, dtype)
+                    x = dt.from_float64(vals[comm.rank], dtype)
+                    keep = x.copy()
+                    for form in ("new", "out", "inplace", "out=x", "positional"):
+                        y = x.copy()
+                        if form == "new":
+                            got = sub.allreduce(x, op)
+                            assert got is not x and np.array_equal(x.view(np.uint8), keep.view(np.uint8))
+                        elif form == "out":
+                            o = np.empty_like(x)
+                            got = sub.allreduce(x, op=op, out=o)
+                            assert got is o
+                        elif form == "inplace":
+                            got = sub.allreduce(y, op, inplace=True)
+                            assert got is y
+                        elif form == "out=x":
+                            got = sub.allreduce(y, op=op, out=y)
+                            assert got is y
+                        else:
+                            o = np.empty_like(x)
+                            got = sub.allreduce(x, op, o, False)
+                            assert got is o
+                        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), \
+                            f"{dt.dtype_name(dtype)} {op} n={n} {form}: {got[:8]} != {want[:8]}"
+        shaped = _pat(24, comm.rank, np.float32).reshape(2, 3, 4)
+        got = sub.allreduce(shaped)
+        assert got.shape == (2, 3, 4)
+        np.testing.assert_array_equal(got, _total(comm, 24, np.float32).reshape(2, 3, 4))
+        rng = np.random.default_rng(comm.rank)
+        for n in (5, 5003, steps):
+            f = rng.standard_normal(n).astype(np.float32)
+            assert _same_everywhere(comm, sub.allreduce(f))
+            assert _same_everywhere(comm, sub.allreduce(f, "avg"))
+        # What the compiled entry does not take gets the Python path's checks and errors.
+        strided = _pat(20, comm.rank, np.float32)[::2]
+        _raises(NotContiguousError, lambda: sub.allreduce(strided), "C-contiguous")
+        _raises(ShapeError, lambda: sub.allreduce(np.ones(4, np.float32), out=np.empty(5, np.float32)),
+                "out has shape (5,)")
+        _raises(ShapeError, lambda: sub.allreduce(np.ones(4, np.float32), out=np.empty(4, np.float64)),
+                "dtype float32")
+        _raises(CollectiveError, lambda: sub.allreduce(np.ones(4, np.int32), op="avg"), "average")
+        _raises(CollectiveError, lambda: sub.allreduce(np.ones(4, np.float32), op="xor"), "unknown reduction op")
+        _raises(TypeError, lambda: sub.allreduce(np.ones(4, np.float32), bogus=1), "bogus")
+        sub.check = True  # every call now compares signatures first (Python)
+        np.testing.assert_array_equal(sub.allreduce(_pat(9, comm.rank)), _total(comm, 9))
+        if comm.size > 1:
+            x = np.ones(3 if comm.rank == 0 else 4, np.float32)
+            _raises(MismatchError, lambda: sub.allreduce(x), "element count")
+        sub.check = False
+        np.testing.assert_array_equal(sub.allreduce(_pat(9, comm.rank)), _total(comm, 9))
+    finally:
+        sub.free()
+    assert sub.allreduce_path(8) == "mpi" and "allreduce" not in vars(sub)  # Comm.allreduce again
+
+
 def _reduce_dtypes():
     from collectives import dtypes as dt
     return [d for d in dt._MPI_TYPE if dt.reduce_problem(d, "sum") is None]

@@ -402,3 +402,85 @@ def test_cache_file_corrupt_or_missing_reads_empty(tmp_path):
         assert cache.load(f) == {}
     assert cache.save(f, {"a": 1}) and cache.load(f) == {"a": 1}
     assert not list(f.parent.glob(".*.tmp"))
+
+
+def test_leading_bound_is_where_the_table_first_leaves_a_path():
+    """The compiled allreduce takes sizes below Table.leading() without entering Python: it
+    must stop at the first size whose decision is another path."""
+    from collectives import tuning
+    b = tuning.BUCKETS
+    row = lambda paths: [(p, 0, 1.0, 1.0) for p in paths]  # noqa: E731
+    rows = [row(["shm1"] * 3 + ["shm"] * 3 + ["shm1"] * 3), row(["mpi"] + ["shm1"] * 8)]
+    t = tuning.Table(rows, "test")
+    assert t.leading("shm1", False) == b[3]   # not b[8]: 16 KiB-1 MiB take shm
+    assert t.leading("shm1", True) == 0        # 256 B and below take MPI
+    assert t.pick(b[6], False) == ("shm1", 0)  # past the bound, Python picks it again
+    assert tuning.Table([row(["shm1"] * 9)] * 2, "t").leading("shm1", True) == 1 << 62
+    assert tuning.Table.fixed("shm1", 0, 0, "forced").leading("shm1", False) == 1 << 62
+    assert tuning.Table.fixed("shm", 0, 1 << 20, "forced").leading("shm1", False) == 0
+    assert tuning.Table.fixed("shm1", 0, 0, "forced").explain(8).startswith("shm1: forced")
+
+
+def test_compiled_engine_is_built_where_a_compiler_is():
+    """`pip install -e .` builds collectives._fastshm when cc and Python's headers exist (CI
+    has both): without this test a failed build would fall back silently to slower paths."""
+    import shutil
+    import sysconfig
+    header = os.path.join(sysconfig.get_paths()["include"], "Python.h")
+    if not (shutil.which("cc") or shutil.which("gcc")) or not os.path.exists(header):
+        pytest.skip(f"no C compiler or no {header}: the pure-Python paths are used")
+    from collectives import shm1
+    assert shm1._fastshm is not None, "collectives._fastshm did not build: run `pip install -e .` and read its errors"
+    assert shm1.available()
+
+
+@pytest.mark.mpi
+def test_cases_without_the_compiled_engine():
+    """DTRUN_COMPILED=0: the pure-Python paths and recorder store (as on a machine that could
+    not build the engine) pass the same allreduce cases, and shm1 is not offered."""
+    names = "allreduce_ops,allreduce_forms,allreduce_shm_exact,path_selection_agrees,shm1_exact"
+    proc = launch(2, "-m", "tests.collectives_cases", "--only", names, timeout=180,
+                  env_vars={"DTRUN_COMPILED": "0"})
+    reps = reports(proc)
+    assert len(reps) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in reps:
+        assert not r["failed"], "\n".join(r["failed"].values())
+        assert r["skipped"] == {"shm1_exact": "the compiled engine is not in use here: DTRUN_COMPILED=0"}
+    bad = launch(2, "-c", "import collectives; collectives.init()", timeout=60,
+                 env_vars={"DTRUN_COMPILED": "yes"})
+    assert bad.returncode != 0 and "DTRUN_COMPILED='yes'" in bad.stderr, bad.stderr[-2000:]
+
+
+@pytest.mark.mpi
+def test_ctrl_c_reaches_a_rank_waiting_in_the_compiled_allreduce(tmp_path):
+    """A rank blocked in shm1 (its peer never arrives) still answers SIGINT: the wait checks
+    for signals while it sleeps, so the rank raises KeyboardInterrupt where it waits."""
+    import signal
+    prog = tmp_path / "wait_in_shm1.py"
+    prog.write_text(
+        "import os, sys, time\nimport numpy as np\nimport collectives\n"
+        "c = collectives.Comm(path='shm1')\n"
+        f"open(os.path.join({str(tmp_path)!r}, 'rank%d.pid' % c.rank), 'w').write(str(os.getpid()))\n"
+        "if c.rank == 1:\n    time.sleep(60)\n    sys.exit(0)\n"
+        "try:\n    c.allreduce(np.ones(4, np.float32))\n"
+        "except KeyboardInterrupt:\n    print('rank 0: interrupted in allreduce', flush=True)\n    os._exit(7)\n")
+    from tests.dtrun_helpers import DTRUN
+    proc = subprocess.Popen([DTRUN, "-np", "2", "-H", "localhost:2", PYTHON,
+                             str(prog)], cwd=REPO, env=user_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        pidfile = tmp_path / "rank0.pid"
+        deadline = time.monotonic() + 60
+        while not pidfile.exists() or not pidfile.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "rank 0 never started"
+            time.sleep(0.1)
+        time.sleep(1.0)  # rank 0 is asleep on rank 1's counter by now
+        os.kill(int(pidfile.read_text()), signal.SIGINT)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+        assert time.monotonic() - t0 < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "rank 0: interrupted in allreduce" in out, out + err
+    assert proc.returncode == 7, err

@@ -78,14 +78,19 @@ def test_roll_call_mismatched_collective_and_unreachable_host():
     assert "  b: no answer within 4 s — its ranks are not in this report" in text
 
 
-def test_recorder_file_is_read_by_the_agent(tmp_path, monkeypatch):
-    """The runtime writes the ring; the standard-library agent decodes the same entries."""
+@pytest.mark.parametrize("compiled", ["1", "0"])
+def test_recorder_file_is_read_by_the_agent(tmp_path, monkeypatch, compiled):
+    """The runtime writes the ring (through the compiled engine's store, or Python's when it
+    is off or not built); the standard-library agent decodes the same entries."""
     monkeypatch.setenv("DTRUN_JOB_DIR", str(tmp_path))
+    monkeypatch.setenv("DTRUN_COMPILED", compiled)
     import numpy as np
     from collectives import comm as comm_mod, recorder
 
     monkeypatch.setattr(comm_mod, "_REC_TAKEN", [False])
     c = comm_mod.Comm()
+    from collectives import shm1
+    assert (c._rec_store == c._py_rec_store) == (compiled == "0" or not shm1._fastshm)
     for _ in range(recorder.RING + 3):
         c.allreduce(np.ones(5, np.float64))
     c.broadcast(np.ones(3, np.int32), root=0)

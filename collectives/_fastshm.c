@@ -1,0 +1,616 @@
+/* Compiled shared-memory allreduce for the ranks of one host ("shm1"), and the flight
+ * recorder's store.
+ *
+ * Why compiled: below about 16 KiB an allreduce costs 1-5 us, and the Python
+ * shared-memory path spends that much on NumPy calls alone, while MPI's own shared-memory
+ * allreduce takes about 1 us. Here one call is: copy the input into this rank's slot,
+ * post a counter, wait for every other rank's counter, then reduce all slots in
+ * local-rank order into the output. One synchronisation per step, no Python in between.
+ *
+ * Memory: each local rank owns a segment (in an MPI-3 shared window, mapped by all):
+ *   [header: int64 counter, then one int64 "asleep on this counter" flag per rank]
+ *   [slot, parity 0: cap bytes] [slot, parity 1: cap bytes]
+ * Steps alternate parity. A rank writes its slot of parity p at step e only after it saw
+ * every rank post step e-1, which each did after finishing step e-2 (the last reader of
+ * that slot): one counter wait per step suffices.
+ *
+ * Every rank reduces the same slots in the same order, so every rank gets the same bits.
+ * Waits: spin (both ranks on-CPU: the other is a moment behind), then sched_yield with
+ * the GIL released, then sleep on the counter with a futex (2 ms timeout), checking for
+ * Python signals (Ctrl-C) every 100 ms. A poster wakes sleepers only when one announced
+ * itself, so the common case makes no system call.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <sched.h>
+#include <time.h>
+#include <errno.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#if PY_VERSION_HEX < 0x030A0000
+static inline PyObject *Py_NewRef(PyObject *o) { Py_INCREF(o); return o; }
+#endif
+
+#define MAX_RANKS 4096
+#define SPIN_NS 20000L       /* default: spin this long before yielding */
+#define YIELD_NS 200000L     /* default: then yield this long before sleeping */
+#define SLEEP_NS 2000000L    /* futex timeout: the longest a missed wake-up can cost */
+#define SIGNAL_CHECK_NS 100000000L
+
+enum { OP_SUM, OP_PROD, OP_MIN, OP_MAX, OP_AVG, N_OPS };
+enum { T_I8, T_U8, T_I16, T_U16, T_I32, T_U32, T_I64, T_U64, T_F32, T_F64, N_TYPES };
+static const int type_size[N_TYPES] = {1, 1, 2, 2, 4, 4, 8, 8, 4, 8};
+
+typedef struct {
+    PyObject_HEAD
+    int me, n;
+    Py_ssize_t cap, hdr;
+    char **seg;               /* seg[k]: rank k's segment in this process's mapping */
+    int64_t epoch;
+    long long limit_out, limit_in;  /* allreduce() takes sizes below these (bytes) */
+    long long slept;          /* times this rank went to sleep (benchmarks read it) */
+    long long spin_ns, yield_ns;
+    /* flight recorder (optional): ring of (seq, desc) int64 pairs */
+    int64_t *rec;
+    long long rec_mask;
+    long long seq;
+    long long rec_desc[N_TYPES];  /* operation and dtype bits of an allreduce, per type */
+    long long rec_count_max;
+    PyObject *keep;           /* objects that own the mappings (kept alive) */
+    PyObject *fallback;       /* called with the original arguments when not taken */
+    PyObject *empty_like;
+    PyTypeObject *ndarray;
+} Engine;
+
+static PyObject *s_sum, *s_prod, *s_min, *s_max, *s_avg;
+static const char *kwlist_names[] = {"x", "op", "out", "inplace"};
+
+static inline int64_t *counter(Engine *e, int k) { return (int64_t *)e->seg[k]; }
+static inline int64_t *flag(Engine *e, int k, int waiter) { return (int64_t *)e->seg[k] + 1 + waiter; }
+static inline char *slot(Engine *e, int k, int par) { return e->seg[k] + e->hdr + par * e->cap; }
+
+static inline long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long)ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void futex_wait(int64_t *addr, int64_t seen) {
+#ifdef __linux__
+    struct timespec to = {0, SLEEP_NS};
+    uint32_t *word = (uint32_t *)addr;
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    word += 1;
+#endif
+    syscall(SYS_futex, word, FUTEX_WAIT, (uint32_t)seen, &to, NULL, 0);
+#else
+    struct timespec to = {0, 50000};
+    (void)addr; (void)seen;
+    nanosleep(&to, NULL);
+#endif
+}
+
+static void futex_wake(int64_t *addr) {
+#ifdef __linux__
+    uint32_t *word = (uint32_t *)addr;
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    word += 1;
+#endif
+    syscall(SYS_futex, word, FUTEX_WAKE, 0x7fffffff, NULL, NULL, 0);
+#else
+    (void)addr;
+#endif
+}
+
+static void post(Engine *e, int64_t epoch) {
+    int64_t *mine = counter(e, e->me);
+    __atomic_store_n(mine, epoch, __ATOMIC_RELEASE);   /* the slot's data before the counter */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);           /* the counter before the flags are read */
+    for (int k = 0; k < e->n; k++) {
+        if (k != e->me && __atomic_load_n(flag(e, e->me, k), __ATOMIC_RELAXED)) {
+            futex_wake(mine);
+            break;
+        }
+    }
+}
+
+/* Wait until rank k posted ``epoch``. Called with the GIL held; returns -1 with a Python
+ * exception set when a signal handler raised (Ctrl-C) during a long wait. */
+static int wait_for(Engine *e, int k, int64_t epoch) {
+    int64_t *c = counter(e, k);
+    if (__atomic_load_n(c, __ATOMIC_ACQUIRE) >= epoch)
+        return 0;
+    long start = now_ns();
+    for (;;) {
+        for (int i = 0; i < 64; i++) {
+            if (__atomic_load_n(c, __ATOMIC_ACQUIRE) >= epoch)
+                return 0;
+            cpu_relax();
+        }
+        if (now_ns() - start > e->spin_ns)
+            break;
+    }
+    int rc = 0;
+    PyThreadState *ts = PyEval_SaveThread();
+    while (now_ns() - start < e->spin_ns + e->yield_ns) {
+        sched_yield();
+        if (__atomic_load_n(c, __ATOMIC_ACQUIRE) >= epoch)
+            goto done;
+    }
+    e->slept++;
+    int64_t *f = flag(e, k, e->me);
+    long last_check = now_ns();
+    for (;;) {
+        int64_t seen = __atomic_load_n(c, __ATOMIC_ACQUIRE);
+        if (seen >= epoch)
+            break;
+        __atomic_store_n(f, 1, __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);       /* the flag before the counter is re-read */
+        seen = __atomic_load_n(c, __ATOMIC_ACQUIRE);
+        if (seen >= epoch)
+            break;
+        futex_wait(c, seen);
+        long t = now_ns();
+        if (t - last_check > SIGNAL_CHECK_NS) {
+            last_check = t;
+            PyEval_RestoreThread(ts);
+            if (PyErr_CheckSignals() < 0) {
+                __atomic_store_n(f, 0, __ATOMIC_RELAXED);
+                return -1;
+            }
+            ts = PyEval_SaveThread();
+        }
+    }
+    __atomic_store_n(f, 0, __ATOMIC_RELAXED);
+done:
+    PyEval_RestoreThread(ts);
+    return rc;
+}
+
+/* ---- reduction kernels: out = a op b (elementwise, n elements) ---- */
+#define SUMX(x, y) ((x) + (y))
+#define PRODX(x, y) ((x) * (y))
+#define MINX(x, y) ((x) < (y) ? (x) : (y))
+#define MAXX(x, y) ((x) > (y) ? (x) : (y))
+/* floating min/max as NumPy's minimum/maximum: a NaN in either operand wins */
+#define FMINX(x, y) (((x) < (y) || (x) != (x)) ? (x) : (y))
+#define FMAXX(x, y) (((x) > (y) || (x) != (x)) ? (x) : (y))
+
+#define KERNEL(NAME, T, EXPR) \
+    static void NAME(char *o_, const char *a_, const char *b_, Py_ssize_t n) { \
+        T *restrict o = (T *)o_; const T *restrict a = (const T *)a_; const T *restrict b = (const T *)b_; \
+        for (Py_ssize_t i = 0; i < n; i++) { T x = a[i], y = b[i]; o[i] = EXPR(x, y); } \
+    }
+/* the same with the output aliasing a (acc = acc op b) */
+#define KERNEL_ACC(NAME, T, EXPR) \
+    static void NAME(char *o_, const char *a_, const char *b_, Py_ssize_t n) { \
+        T *o = (T *)o_; const T *restrict b = (const T *)b_; (void)a_; \
+        for (Py_ssize_t i = 0; i < n; i++) { T x = o[i], y = b[i]; o[i] = EXPR(x, y); } \
+    }
+/* integers: sum and product wrap (computed unsigned: signed overflow is undefined in C) */
+#define INT_KERNELS(TAG, T, UT) \
+    KERNEL(sum_##TAG, UT, SUMX) KERNEL(prod_##TAG, UT, PRODX) \
+    KERNEL(min_##TAG, T, MINX) KERNEL(max_##TAG, T, MAXX) \
+    KERNEL_ACC(sumacc_##TAG, UT, SUMX) KERNEL_ACC(prodacc_##TAG, UT, PRODX) \
+    KERNEL_ACC(minacc_##TAG, T, MINX) KERNEL_ACC(maxacc_##TAG, T, MAXX)
+#define FLT_KERNELS(TAG, T) \
+    KERNEL(sum_##TAG, T, SUMX) KERNEL(prod_##TAG, T, PRODX) \
+    KERNEL(min_##TAG, T, FMINX) KERNEL(max_##TAG, T, FMAXX) \
+    KERNEL_ACC(sumacc_##TAG, T, SUMX) KERNEL_ACC(prodacc_##TAG, T, PRODX) \
+    KERNEL_ACC(minacc_##TAG, T, FMINX) KERNEL_ACC(maxacc_##TAG, T, FMAXX)
+
+INT_KERNELS(i8, int8_t, uint8_t) INT_KERNELS(u8, uint8_t, uint8_t)
+INT_KERNELS(i16, int16_t, uint16_t) INT_KERNELS(u16, uint16_t, uint16_t)
+INT_KERNELS(i32, int32_t, uint32_t) INT_KERNELS(u32, uint32_t, uint32_t)
+INT_KERNELS(i64, int64_t, uint64_t) INT_KERNELS(u64, uint64_t, uint64_t)
+FLT_KERNELS(f32, float) FLT_KERNELS(f64, double)
+
+typedef void (*kern_t)(char *, const char *, const char *, Py_ssize_t);
+#define ROW(TAG) {sum_##TAG, prod_##TAG, min_##TAG, max_##TAG, sum_##TAG}
+#define ROWACC(TAG) {sumacc_##TAG, prodacc_##TAG, minacc_##TAG, maxacc_##TAG, sumacc_##TAG}
+static const kern_t KERN[N_TYPES][N_OPS] = {
+    ROW(i8), ROW(u8), ROW(i16), ROW(u16), ROW(i32), ROW(u32), ROW(i64), ROW(u64), ROW(f32), ROW(f64)};
+static const kern_t KERNACC[N_TYPES][N_OPS] = {
+    ROWACC(i8), ROWACC(u8), ROWACC(i16), ROWACC(u16), ROWACC(i32), ROWACC(u32), ROWACC(i64),
+    ROWACC(u64), ROWACC(f32), ROWACC(f64)};
+
+static void divide(char *p, int type, Py_ssize_t n, int by) {
+    if (type == T_F32) {
+        float *f = (float *)p, d = (float)by;
+        for (Py_ssize_t i = 0; i < n; i++) f[i] = f[i] / d;
+    } else {
+        double *f = (double *)p, d = (double)by;
+        for (Py_ssize_t i = 0; i < n; i++) f[i] = f[i] / d;
+    }
+}
+
+/* The engine's allreduce: count elements of ``type`` from src into dst (may be the same
+ * memory), in steps of at most cap bytes. Returns -1 with an exception set on a signal. */
+static int run(Engine *e, const char *src, char *dst, Py_ssize_t count, int type, int op) {
+    Py_ssize_t isz = type_size[type];
+    Py_ssize_t per = e->cap / isz;
+    kern_t first = KERN[type][op], acc = KERNACC[type][op];
+    for (Py_ssize_t start = 0; start < count; start += per) {
+        Py_ssize_t m = count - start < per ? count - start : per;
+        int par = (int)(e->epoch & 1);
+        int64_t epoch = ++e->epoch;
+        memcpy(slot(e, e->me, par), src + start * isz, m * isz);
+        post(e, epoch);
+        for (int k = 0; k < e->n; k++) {
+            if (k != e->me && wait_for(e, k, epoch) < 0)
+                return -1;
+        }
+        char *o = dst + start * isz;
+        first(o, slot(e, 0, par), slot(e, 1, par), m);
+        for (int k = 2; k < e->n; k++)
+            acc(o, NULL, slot(e, k, par), m);
+        if (op == OP_AVG)
+            divide(o, type, m, e->n);
+    }
+    return 0;
+}
+
+/* Buffer format (NumPy's, native byte order) -> type code, or -1. */
+static int type_of(const Py_buffer *v) {
+    const char *f = v->format;
+    if (f == NULL) return T_U8;
+    if (*f == '=' || *f == '@') f++;
+    if (f[0] == '\0' || f[1] != '\0') return -1;
+    switch (f[0]) {
+    case 'b': return T_I8;
+    case 'B': return T_U8;
+    case 'h': return v->itemsize == 2 ? T_I16 : -1;
+    case 'H': return v->itemsize == 2 ? T_U16 : -1;
+    case 'i': return v->itemsize == 4 ? T_I32 : -1;
+    case 'I': return v->itemsize == 4 ? T_U32 : -1;
+    case 'l': case 'q': return v->itemsize == 8 ? T_I64 : (v->itemsize == 4 ? T_I32 : -1);
+    case 'L': case 'Q': return v->itemsize == 8 ? T_U64 : (v->itemsize == 4 ? T_U32 : -1);
+    case 'f': return v->itemsize == 4 ? T_F32 : -1;
+    case 'd': return v->itemsize == 8 ? T_F64 : -1;
+    default: return -1;
+    }
+}
+
+static int op_of(PyObject *op) {
+    if (op == s_sum) return OP_SUM;
+    if (op == s_avg) return OP_AVG;
+    if (op == s_max) return OP_MAX;
+    if (op == s_min) return OP_MIN;
+    if (op == s_prod) return OP_PROD;
+    if (!PyUnicode_Check(op)) return -1;
+    if (PyUnicode_CompareWithASCIIString(op, "sum") == 0) return OP_SUM;
+    if (PyUnicode_CompareWithASCIIString(op, "avg") == 0) return OP_AVG;
+    if (PyUnicode_CompareWithASCIIString(op, "max") == 0) return OP_MAX;
+    if (PyUnicode_CompareWithASCIIString(op, "min") == 0) return OP_MIN;
+    if (PyUnicode_CompareWithASCIIString(op, "prod") == 0) return OP_PROD;
+    return -1;
+}
+
+static void record(Engine *e, long long desc) {
+    if (e->rec != NULL) {
+        long long s = ++e->seq;
+        int64_t *r = e->rec + ((s & e->rec_mask) << 1);
+        __atomic_store_n(r + 1, (int64_t)desc, __ATOMIC_RELAXED);   /* desc before seq */
+        __atomic_store_n(r, (int64_t)s, __ATOMIC_RELEASE);
+    }
+}
+
+/* allreduce(x, op="sum", out=None, inplace=False): the hot path for NumPy arrays. Takes
+ * the call when x is a C-contiguous ndarray of a supported dtype below the size limit,
+ * and out (if any) is such an array of the same dtype and shape; else calls the fallback
+ * with the same arguments. */
+static PyObject *Engine_allreduce(Engine *e, PyObject *const *args, Py_ssize_t nargs,
+                                  PyObject *kwnames) {
+    PyObject *a[4] = {NULL, s_sum, Py_None, Py_False};
+    if (nargs > 4) goto slow;
+    for (Py_ssize_t i = 0; i < nargs; i++) a[i] = args[i];
+    if (kwnames != NULL) {
+        Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
+        for (Py_ssize_t j = 0; j < nk; j++) {
+            PyObject *name = PyTuple_GET_ITEM(kwnames, j);
+            int idx = -1;
+            for (int q = 0; q < 4; q++) {
+                if (PyUnicode_CompareWithASCIIString(name, kwlist_names[q]) == 0) { idx = q; break; }
+            }
+            if (idx < 0 || idx < nargs) goto slow;   /* let Python raise the TypeError */
+            a[idx] = args[nargs + j];
+        }
+    }
+    if (a[0] == NULL) goto slow;
+    {
+        PyObject *x = a[0], *opobj = a[1], *out = a[2];
+        int inplace = PyObject_IsTrue(a[3]);
+        if (inplace < 0) { PyErr_Clear(); goto slow; }
+        if (Py_TYPE(x) != e->ndarray || e->n < 2) goto slow;
+        int op = op_of(opobj);
+        if (op < 0) goto slow;
+        if (out == x) inplace = 1;
+        Py_buffer xv;
+        if (PyObject_GetBuffer(x, &xv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT |
+                               (inplace ? PyBUF_WRITABLE : 0)) < 0) {
+            PyErr_Clear();
+            goto slow;
+        }
+        int type = type_of(&xv);
+        long long limit = inplace ? e->limit_in : e->limit_out;
+        if (type < 0 || xv.len >= limit || xv.len == 0 ||
+                (op == OP_AVG && type != T_F32 && type != T_F64)) {
+            PyBuffer_Release(&xv);
+            goto slow;
+        }
+        PyObject *result;
+        Py_buffer ov;
+        int have_ov = 0;
+        if (inplace) {
+            result = x;
+            Py_INCREF(result);
+        } else if (out == Py_None) {
+            result = PyObject_CallOneArg(e->empty_like, x);
+            if (result == NULL) { PyBuffer_Release(&xv); return NULL; }
+        } else {
+            if (Py_TYPE(out) != e->ndarray) { PyBuffer_Release(&xv); goto slow; }
+            if (PyObject_GetBuffer(out, &ov, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
+                PyErr_Clear(); PyBuffer_Release(&xv); goto slow;
+            }
+            int same = type_of(&ov) == type && ov.len == xv.len && ov.ndim == xv.ndim;
+            for (int d = 0; same && d < xv.ndim; d++)
+                same = ov.shape[d] == xv.shape[d];
+            if (!same) { PyBuffer_Release(&ov); PyBuffer_Release(&xv); goto slow; }
+            have_ov = 1;
+            result = out;
+            Py_INCREF(result);
+        }
+        char *dst;
+        if (have_ov) {
+            dst = ov.buf;
+        } else if (inplace) {
+            dst = xv.buf;
+        } else {
+            Py_buffer rv;
+            if (PyObject_GetBuffer(result, &rv, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+                Py_DECREF(result); PyBuffer_Release(&xv); return NULL;
+            }
+            dst = rv.buf;
+            PyBuffer_Release(&rv);   /* result stays alive: we hold a reference */
+        }
+        Py_ssize_t count = xv.len / xv.itemsize;
+        record(e, e->rec_desc[type] | (count < e->rec_count_max ? count : e->rec_count_max));
+        int rc = run(e, xv.buf, dst, count, type, op);
+        if (have_ov) PyBuffer_Release(&ov);
+        PyBuffer_Release(&xv);
+        if (rc < 0) { Py_DECREF(result); return NULL; }
+        return result;
+    }
+slow:
+    return PyObject_Vectorcall(e->fallback, args, nargs, kwnames);
+}
+
+/* reduce(src, dst, op): the same steps for arrays the caller checked (C-contiguous,
+ * one supported dtype, equal sizes; dst writable and may be src), at any size. Returns
+ * True, or False when the dtype or op is not one this engine reduces. */
+static PyObject *Engine_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "reduce(src, dst, op)");
+        return NULL;
+    }
+    if (e->n < 2) Py_RETURN_FALSE;
+    int op = op_of(args[2]);
+    Py_buffer sv, dv;
+    if (op < 0) Py_RETURN_FALSE;
+    if (PyObject_GetBuffer(args[0], &sv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &dv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&sv);
+        return NULL;
+    }
+    int type = type_of(&sv);
+    PyObject *res = Py_False;
+    if (type >= 0 && type_of(&dv) == type && dv.len == sv.len &&
+            !(op == OP_AVG && type != T_F32 && type != T_F64)) {
+        if (run(e, sv.buf, dv.buf, sv.len / sv.itemsize, type, op) < 0)
+            res = NULL;
+        else
+            res = Py_True;
+    }
+    PyBuffer_Release(&dv);
+    PyBuffer_Release(&sv);
+    Py_XINCREF(res);
+    return res;
+}
+
+/* supports(x, op): whether reduce() handles this dtype and op (a NumPy array). */
+static PyObject *Engine_supports(Engine *e, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "supports(x, op)");
+        return NULL;
+    }
+    int op = op_of(args[1]);
+    Py_buffer v;
+    if (op < 0 || PyObject_GetBuffer(args[0], &v, PyBUF_FORMAT | PyBUF_ND) < 0) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    int type = type_of(&v);
+    PyBuffer_Release(&v);
+    if (type < 0 || (op == OP_AVG && type != T_F32 && type != T_F64))
+        Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+}
+
+/* note(desc): the flight recorder's store for a collective that Python starts. */
+static PyObject *Engine_note(Engine *e, PyObject *arg) {
+    long long desc = PyLong_AsLongLong(arg);
+    if (desc == -1 && PyErr_Occurred())
+        return NULL;
+    record(e, desc);
+    Py_RETURN_NONE;
+}
+
+/* set_recorder(addr, mask, descs, count_max): record into the ring of int64 pairs at
+ * addr (kept alive by the caller, who passes its owner to keep()); descs: the
+ * operation|dtype bits of an allreduce for each type code. */
+static PyObject *Engine_set_recorder(Engine *e, PyObject *args) {
+    unsigned long long addr;
+    long long mask, count_max;
+    PyObject *descs;
+    if (!PyArg_ParseTuple(args, "KLOL", &addr, &mask, &descs, &count_max))
+        return NULL;
+    if (!PyTuple_Check(descs) || PyTuple_GET_SIZE(descs) != N_TYPES) {
+        PyErr_SetString(PyExc_ValueError, "descs: one int per type code");
+        return NULL;
+    }
+    for (int t = 0; t < N_TYPES; t++) {
+        e->rec_desc[t] = PyLong_AsLongLong(PyTuple_GET_ITEM(descs, t));
+        if (e->rec_desc[t] == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    e->rec = (int64_t *)(uintptr_t)addr;
+    e->rec_mask = mask;
+    e->rec_count_max = count_max;
+    Py_RETURN_NONE;
+}
+
+static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
+    int me, n;
+    PyObject *addrs, *keep, *fallback, *empty_like, *ndarray;
+    Py_ssize_t cap, hdr;
+    if (!PyArg_ParseTuple(args, "iiOnnOOOO", &me, &n, &addrs, &cap, &hdr, &keep, &fallback,
+                          &empty_like, &ndarray))
+        return -1;
+    if (n < 1 || n > MAX_RANKS || me < 0 || me >= n || !PyTuple_Check(addrs) ||
+            (n > 1 && PyTuple_GET_SIZE(addrs) != n) || cap < 0 || cap % 64 || hdr < 8 * (1 + n) ||
+            !PyType_Check(ndarray) || !PyCallable_Check(fallback)) {
+        PyErr_SetString(PyExc_ValueError, "Engine: bad layout");
+        return -1;
+    }
+    e->me = me;
+    e->n = n;
+    e->cap = cap;
+    e->hdr = hdr;
+    PyMem_Free(e->seg);
+    e->seg = NULL;
+    if (n > 1) {
+        e->seg = PyMem_Calloc(n, sizeof(char *));
+        if (e->seg == NULL) { PyErr_NoMemory(); return -1; }
+        for (int k = 0; k < n; k++) {
+            e->seg[k] = (char *)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(addrs, k));
+            if (PyErr_Occurred()) return -1;
+        }
+        memset(e->seg[me], 0, hdr);
+    }
+    e->epoch = 0;
+    e->limit_out = e->limit_in = 0;
+    e->spin_ns = SPIN_NS;
+    e->yield_ns = YIELD_NS;
+    Py_XSETREF(e->keep, Py_NewRef(keep));
+    Py_XSETREF(e->fallback, Py_NewRef(fallback));
+    Py_XSETREF(e->empty_like, Py_NewRef(empty_like));
+    Py_XSETREF(e->ndarray, (PyTypeObject *)Py_NewRef(ndarray));
+    return 0;
+}
+
+static int Engine_traverse(Engine *e, visitproc visit, void *arg) {
+    Py_VISIT(e->keep);
+    Py_VISIT(e->fallback);
+    Py_VISIT(e->empty_like);
+    Py_VISIT(e->ndarray);
+    return 0;
+}
+
+static int Engine_clear(Engine *e) {
+    Py_CLEAR(e->keep);
+    Py_CLEAR(e->fallback);
+    Py_CLEAR(e->empty_like);
+    Py_CLEAR(e->ndarray);
+    return 0;
+}
+
+static void Engine_dealloc(Engine *e) {
+    PyObject_GC_UnTrack(e);
+    Engine_clear(e);
+    PyMem_Free(e->seg);
+    Py_TYPE(e)->tp_free((PyObject *)e);
+}
+
+static PyMethodDef Engine_methods[] = {
+    {"allreduce", (PyCFunction)(void (*)(void))Engine_allreduce, METH_FASTCALL | METH_KEYWORDS,
+     "allreduce(x, op='sum', out=None, inplace=False): the NumPy hot path, or the fallback."},
+    {"reduce", (PyCFunction)(void (*)(void))Engine_reduce, METH_FASTCALL,
+     "reduce(src, dst, op) -> bool: allreduce src into dst (False: dtype/op not handled)."},
+    {"supports", (PyCFunction)(void (*)(void))Engine_supports, METH_FASTCALL,
+     "supports(x, op) -> bool"},
+    {"note", (PyCFunction)Engine_note, METH_O, "note(desc): record a collective."},
+    {"set_recorder", (PyCFunction)Engine_set_recorder, METH_VARARGS,
+     "set_recorder(addr, mask, descs, count_max)"},
+    {NULL, NULL, 0, NULL}};
+
+static PyMemberDef Engine_members[] = {
+    {"limit_out", T_LONGLONG, offsetof(Engine, limit_out), 0,
+     "allreduce() takes out-of-place calls below this many bytes"},
+    {"limit_in", T_LONGLONG, offsetof(Engine, limit_in), 0, "... and in-place ones below this"},
+    {"seq", T_LONGLONG, offsetof(Engine, seq), 0, "the flight recorder's sequence number"},
+    {"spin_ns", T_LONGLONG, offsetof(Engine, spin_ns), 0, "a wait spins this long first"},
+    {"yield_ns", T_LONGLONG, offsetof(Engine, yield_ns), 0, "then yields this long, then sleeps"},
+    {"slept", T_LONGLONG, offsetof(Engine, slept), READONLY, "futex sleeps so far"},
+    {"epoch", T_LONGLONG, offsetof(Engine, epoch), READONLY, "steps so far"},
+    {"cap", T_PYSSIZET, offsetof(Engine, cap), READONLY, "bytes per slot (one step)"},
+    {NULL, 0, 0, 0, NULL}};
+
+static PyTypeObject EngineType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "collectives._fastshm.Engine",
+    .tp_basicsize = sizeof(Engine),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Engine(me, n, addrs, cap, hdr, keep, fallback, empty_like, ndarray)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Engine_init,
+    .tp_dealloc = (destructor)Engine_dealloc,
+    .tp_traverse = (traverseproc)Engine_traverse,
+    .tp_clear = (inquiry)Engine_clear,
+    .tp_methods = Engine_methods,
+    .tp_members = Engine_members,
+};
+
+static struct PyModuleDef fastshm_module = {
+    PyModuleDef_HEAD_INIT, "_fastshm",
+    "Compiled shared-memory allreduce and flight-recorder store (see _fastshm.c).", -1, NULL};
+
+PyMODINIT_FUNC PyInit__fastshm(void) {
+    if (PyType_Ready(&EngineType) < 0)
+        return NULL;
+    s_sum = PyUnicode_InternFromString("sum");
+    s_prod = PyUnicode_InternFromString("prod");
+    s_min = PyUnicode_InternFromString("min");
+    s_max = PyUnicode_InternFromString("max");
+    s_avg = PyUnicode_InternFromString("avg");
+    if (!s_sum || !s_prod || !s_min || !s_max || !s_avg)
+        return NULL;
+    PyObject *m = PyModule_Create(&fastshm_module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&EngineType);
+    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {
+        Py_DECREF(&EngineType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "N_TYPES", N_TYPES);
+    PyModule_AddIntConstant(m, "HEADER_MIN", 8);
+    return m;
+}
