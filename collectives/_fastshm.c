@@ -1,5 +1,5 @@
-/* Compiled shared-memory allreduce for the ranks of one host ("shm1"), and the flight
- * recorder's store.
+/* Compiled shared-memory allreduce for the ranks of one host ("shm1", and "shm2" below),
+ * and the flight recorder's store.
  *
  * Why compiled: below about 16 KiB an allreduce costs 1-5 us, and the Python
  * shared-memory path spends that much on NumPy calls alone, while MPI's own shared-memory
@@ -54,7 +54,8 @@ typedef struct {
     int me, n;
     Py_ssize_t cap, hdr;
     char **seg;               /* seg[k]: rank k's segment in this process's mapping */
-    int64_t epoch;
+    int64_t epoch;            /* counter value posted last */
+    int64_t step;             /* steps so far: a step's parity picks its slots */
     long long limit_out, limit_in;  /* allreduce() takes sizes below these (bytes) */
     long long slept;          /* times this rank went to sleep (benchmarks read it) */
     long long spin_ns, yield_ns;
@@ -248,7 +249,7 @@ static int run(Engine *e, const char *src, char *dst, Py_ssize_t count, int type
     kern_t first = KERN[type][op], acc = KERNACC[type][op];
     for (Py_ssize_t start = 0; start < count; start += per) {
         Py_ssize_t m = count - start < per ? count - start : per;
-        int par = (int)(e->epoch & 1);
+        int par = (int)(e->step++ & 1);
         int64_t epoch = ++e->epoch;
         memcpy(slot(e, e->me, par), src + start * isz, m * isz);
         post(e, epoch);
@@ -264,6 +265,125 @@ static int run(Engine *e, const char *src, char *dst, Py_ssize_t count, int type
             divide(o, type, m, e->n);
     }
     return 0;
+}
+
+/* ---- the two-synchronisation form ("shm2"): each rank reduces one slice ----
+ * The data is a stream of segments (dst may equal src: grouped_allreduce's arrays, in
+ * place). Per step of up to cap bytes: (1) copy the slices the other ranks reduce into
+ * this rank's slot; sync; (2) reduce this rank's slice over all ranks in local-rank order
+ * (its own part read from src), write the result to its slot and to dst; sync; (3) copy
+ * the other slices' results from their owners' slots to dst. Per rank it reads 2.5N and
+ * writes 2N bytes on 2 ranks (shm1: 3N and 2N), and reads only half of the peer's data
+ * across cores. */
+typedef struct { char *src, *dst; Py_ssize_t len; } seg_t;
+
+/* Copy ``len`` bytes of the stream at offset ``off`` out of (to_stream=0: from src) or
+ * into (to_stream=1: to dst) the segments, from/to ``flat``. ``*hint``: the segment
+ * index to start looking from (offsets only grow within a phase). */
+static void stream_copy(const seg_t *segs, Py_ssize_t nseg, const Py_ssize_t *starts,
+                        Py_ssize_t *hint, Py_ssize_t off, char *flat, Py_ssize_t len, int to_stream) {
+    Py_ssize_t i = *hint;
+    while (i > 0 && starts[i] > off) i--;
+    while (i + 1 < nseg && starts[i + 1] <= off) i++;
+    while (len > 0 && i < nseg) {
+        Py_ssize_t in = off - starts[i];
+        Py_ssize_t take = segs[i].len - in;
+        if (take > len) take = len;
+        if (take > 0) {
+            if (to_stream) memcpy(segs[i].dst + in, flat, take);
+            else memcpy(flat, segs[i].src + in, take);
+            flat += take; off += take; len -= take;
+        }
+        if (len > 0) i++;
+    }
+    *hint = i;
+}
+
+/* A pointer to stream bytes [off, off+len) of src: into the segment when it holds them
+ * all, else gathered into ``tmp``. */
+static const char *stream_src(const seg_t *segs, Py_ssize_t nseg, const Py_ssize_t *starts,
+                              Py_ssize_t *hint, Py_ssize_t off, Py_ssize_t len, char *tmp) {
+    Py_ssize_t i = *hint;
+    while (i > 0 && starts[i] > off) i--;
+    while (i + 1 < nseg && starts[i + 1] <= off) i++;
+    *hint = i;
+    if (off - starts[i] + len <= segs[i].len)
+        return segs[i].src + (off - starts[i]);
+    stream_copy(segs, nseg, starts, hint, off, tmp, len, 0);
+    return tmp;
+}
+
+#define BLOCK 8192  /* bytes reduced at a time in phase 2 (stays in L1) */
+
+static int run2(Engine *e, const seg_t *segs, Py_ssize_t nseg, int type, int op) {
+    Py_ssize_t isz = type_size[type];
+    Py_ssize_t *starts = PyMem_Malloc((nseg + 1) * sizeof(Py_ssize_t));
+    if (starts == NULL) { PyErr_NoMemory(); return -1; }
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < nseg; i++) { starts[i] = total; total += segs[i].len; }
+    starts[nseg] = total;
+    int n = e->n, me = e->me;
+    Py_ssize_t unit = 64;  /* slice boundaries on cache lines (and whole elements) */
+    kern_t first = KERN[type][op], acc = KERNACC[type][op];
+    char accbuf[BLOCK] __attribute__((aligned(64)));
+    char ownbuf[BLOCK] __attribute__((aligned(64)));
+    int rc = 0;
+    for (Py_ssize_t start = 0; start < total; start += e->cap) {
+        Py_ssize_t m = total - start < e->cap ? total - start : e->cap;  /* bytes this step */
+        Py_ssize_t units = (m + unit - 1) / unit;
+        int par = (int)(e->step++ & 1);
+        Py_ssize_t hint = 0;
+        /* (1) the others' slices of this rank's data into its slot */
+        for (int q = 0; q < n; q++) {
+            if (q == me) continue;
+            Py_ssize_t lo = units * q / n * unit, hi = units * (q + 1) / n * unit;
+            if (lo > m) lo = m;
+            if (hi > m) hi = m;
+            if (hi > lo)
+                stream_copy(segs, nseg, starts, &hint, start + lo, slot(e, me, par) + lo, hi - lo, 0);
+        }
+        int64_t epoch = ++e->epoch;
+        post(e, epoch);
+        for (int k = 0; k < n; k++)
+            if (k != me && wait_for(e, k, epoch) < 0) { rc = -1; goto out; }
+        /* (2) this rank's slice */
+        Py_ssize_t lo = units * me / n * unit, hi = units * (me + 1) / n * unit;
+        if (lo > m) lo = m;
+        if (hi > m) hi = m;
+        hint = 0;
+        Py_ssize_t whint = 0;
+        for (Py_ssize_t b = lo; b < hi; b += BLOCK) {
+            Py_ssize_t len = hi - b < BLOCK ? hi - b : BLOCK;
+            Py_ssize_t cnt = len / isz;
+            const char *own = stream_src(segs, nseg, starts, &hint, start + b, len, ownbuf);
+            const char *in0 = me == 0 ? own : slot(e, 0, par) + b;
+            const char *in1 = me == 1 ? own : slot(e, 1, par) + b;
+            first(accbuf, in0, in1, cnt);
+            for (int k = 2; k < n; k++)
+                acc(accbuf, NULL, k == me ? own : slot(e, k, par) + b, cnt);
+            if (op == OP_AVG)
+                divide(accbuf, type, cnt, n);
+            memcpy(slot(e, me, par) + b, accbuf, len);
+            stream_copy(segs, nseg, starts, &whint, start + b, accbuf, len, 1);
+        }
+        epoch = ++e->epoch;
+        post(e, epoch);
+        for (int k = 0; k < n; k++)
+            if (k != me && wait_for(e, k, epoch) < 0) { rc = -1; goto out; }
+        /* (3) the other slices' results */
+        hint = 0;
+        for (int q = 0; q < n; q++) {
+            if (q == me) continue;
+            Py_ssize_t qlo = units * q / n * unit, qhi = units * (q + 1) / n * unit;
+            if (qlo > m) qlo = m;
+            if (qhi > m) qhi = m;
+            if (qhi > qlo)
+                stream_copy(segs, nseg, starts, &hint, start + qlo, slot(e, q, par) + qlo, qhi - qlo, 1);
+        }
+    }
+out:
+    PyMem_Free(starts);
+    return rc;
 }
 
 /* Buffer format (NumPy's, native byte order) -> type code, or -1. */
@@ -405,10 +525,12 @@ slow:
  * one supported dtype, equal sizes; dst writable and may be src), at any size. Returns
  * True, or False when the dtype or op is not one this engine reduces. */
 static PyObject *Engine_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "reduce(src, dst, op)");
+    if (nargs != 3 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "reduce(src, dst, op, two=False)");
         return NULL;
     }
+    int two = nargs == 4 ? PyObject_IsTrue(args[3]) : 0;
+    if (two < 0) return NULL;
     if (e->n < 2) Py_RETURN_FALSE;
     int op = op_of(args[2]);
     Py_buffer sv, dv;
@@ -423,7 +545,8 @@ static PyObject *Engine_reduce(Engine *e, PyObject *const *args, Py_ssize_t narg
     PyObject *res = Py_False;
     if (type >= 0 && type_of(&dv) == type && dv.len == sv.len &&
             !(op == OP_AVG && type != T_F32 && type != T_F64)) {
-        if (run(e, sv.buf, dv.buf, sv.len / sv.itemsize, type, op) < 0)
+        seg_t seg = {sv.buf, dv.buf, sv.len};
+        if ((two ? run2(e, &seg, 1, type, op) : run(e, sv.buf, dv.buf, sv.len / sv.itemsize, type, op)) < 0)
             res = NULL;
         else
             res = Py_True;
@@ -432,6 +555,46 @@ static PyObject *Engine_reduce(Engine *e, PyObject *const *args, Py_ssize_t narg
     PyBuffer_Release(&sv);
     Py_XINCREF(res);
     return res;
+}
+
+/* grouped(pairs, rep, op): allreduce in place the arrays whose (address, nbytes) pairs
+ * are the rows of ``pairs`` (an int64 array the caller built from arrays it keeps
+ * alive, all of ``rep``'s dtype), as one stream, by the two-sync form. Returns True, or
+ * False when the dtype or op is not one this engine reduces. */
+static PyObject *Engine_grouped(Engine *e, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "grouped(pairs, rep, op)");
+        return NULL;
+    }
+    if (e->n < 2) Py_RETURN_FALSE;
+    int op = op_of(args[2]);
+    if (op < 0) Py_RETURN_FALSE;
+    Py_buffer rv, pv;
+    if (PyObject_GetBuffer(args[1], &rv, PyBUF_FORMAT | PyBUF_ND) < 0)
+        return NULL;
+    int type = type_of(&rv);
+    PyBuffer_Release(&rv);
+    if (type < 0 || (op == OP_AVG && type != T_F32 && type != T_F64)) Py_RETURN_FALSE;
+    if (PyObject_GetBuffer(args[0], &pv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (pv.itemsize != 8 || pv.len % 16) {
+        PyBuffer_Release(&pv);
+        PyErr_SetString(PyExc_ValueError, "pairs: int64 (address, nbytes) rows");
+        return NULL;
+    }
+    Py_ssize_t nseg = pv.len / 16;
+    seg_t *segs = PyMem_Malloc((nseg ? nseg : 1) * sizeof(seg_t));
+    if (segs == NULL) { PyBuffer_Release(&pv); return PyErr_NoMemory(); }
+    const int64_t *rows = pv.buf;
+    for (Py_ssize_t i = 0; i < nseg; i++) {
+        segs[i].src = segs[i].dst = (char *)(uintptr_t)rows[2 * i];
+        segs[i].len = (Py_ssize_t)rows[2 * i + 1];
+    }
+    PyBuffer_Release(&pv);
+    int rc = run2(e, segs, nseg, type, op);
+    PyMem_Free(segs);
+    if (rc < 0) return NULL;
+    Py_RETURN_TRUE;
 }
 
 /* supports(x, op): whether reduce() handles this dtype and op (a NumPy array). */
@@ -553,6 +716,8 @@ static PyMethodDef Engine_methods[] = {
      "allreduce(x, op='sum', out=None, inplace=False): the NumPy hot path, or the fallback."},
     {"reduce", (PyCFunction)(void (*)(void))Engine_reduce, METH_FASTCALL,
      "reduce(src, dst, op) -> bool: allreduce src into dst (False: dtype/op not handled)."},
+    {"grouped", (PyCFunction)(void (*)(void))Engine_grouped, METH_FASTCALL,
+     "grouped(pairs, rep, op) -> bool: arrays at (address, nbytes) rows, in place, as one."},
     {"supports", (PyCFunction)(void (*)(void))Engine_supports, METH_FASTCALL,
      "supports(x, op) -> bool"},
     {"note", (PyCFunction)Engine_note, METH_O, "note(desc): record a collective."},

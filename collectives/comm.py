@@ -243,10 +243,10 @@ class Comm:
     def _via(self, path: str, chunk: int, src: np.ndarray, dst: np.ndarray, inplace: bool,
              t, mop, kern, finish, canon: str) -> None:
         """Allreduce ``src`` into ``dst`` (the same array when ``inplace``) along ``path``."""
-        if path == "shm1":
+        if path == "shm1" or path == "shm2":
             # The compiled engine; a dtype it does not reduce (float16, bfloat16, complex)
             # takes the Python shared-memory path (all ranks alike: same dtype everywhere).
-            if self._engine.reduce(src, dst, canon):
+            if self._engine.reduce(src, dst, canon, path == "shm2"):
                 return
             path, chunk = "shm", DEFAULT_SHM_CHUNK
         if path == "mpi":
@@ -944,10 +944,15 @@ class Comm:
             if len(step) == 1:  # an array reduced on its own
                 self._allreduce(step[0], op, None, True, np)
                 continue
-            datatype, memory, dtype, count = step
+            datatype, memory, dtype, count, pairs = step
             nbytes = count * dtype.itemsize
             shm = self._shm
             path = self._paths.pick(nbytes, True)[0] if shm is not None else "mpi"
+            if path != "mpi" and self._engine_win is not None:
+                # The compiled engine reduces the arrays where they are, as one stream
+                # (no packing); False: a dtype or op it does not do.
+                if self._engine.grouped(pairs, self._fusion_rep(dtype), op):
+                    continue
             if path.startswith("shm") and nbytes <= SINGLE_STEP_MAX:
                 # Pack straight into this rank's shared slot, unpack straight out of the
                 # shared result: no intermediate fusion buffer at all.
@@ -1032,12 +1037,13 @@ class Comm:
             raise CollectiveError("grouped_allreduce", None, "internal: fused datatype "
                                   "extent differs from the arrays' span")
         count = sum(a.size for a in live)
-        return (datatype, MPI.buffer.fromaddress(base, end - base), dtype, count)
+        pairs = np.array([(ad, a.nbytes) for ad, a in zip(addrs, live)], dtype=np.int64)
+        return (datatype, MPI.buffer.fromaddress(base, end - base), dtype, count, pairs)
 
     @staticmethod
     def _free_plan(plan: tuple) -> None:
         for step in plan[0]:
-            if len(step) == 4:
+            if len(step) > 1:
                 step[0].Free()
 
 

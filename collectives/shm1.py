@@ -1,4 +1,4 @@
-"""The compiled shared-memory path ("shm1") and the flight recorder's compiled store.
+"""The compiled shared-memory paths ("shm1", "shm2") and the flight recorder's compiled store.
 
 ``_fastshm.c`` holds the C side; this module sets it up. Why a compiled path: below
 about 16 KiB an allreduce costs 1-5 us, the Python shared-memory path (shm.py) spends

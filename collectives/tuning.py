@@ -49,7 +49,7 @@ from . import cache
 from ._mpi import MPI
 
 VERSION = 3
-PATHS = ("mpi", "shm1", "shm", "shm+hierarchical", "shm+ring", "ring")
+PATHS = ("mpi", "shm1", "shm2", "shm", "shm+hierarchical", "shm+ring", "ring")
 BUCKETS = tuple(256 * 4 ** i for i in range(9))  # 256 B .. 16 MiB
 CHUNKS = (128 << 10, 512 << 10, 2 << 20)
 ROUNDS = 3          # timed rounds per candidate (plus one untimed warm-up round) ...
@@ -146,7 +146,7 @@ class Table:
 
     def explain(self, nbytes: int, inplace: bool = False) -> str:
         path, chunk = self.pick(nbytes, inplace)
-        what = path if path in ("mpi", "shm1") or not path.startswith("shm") else \
+        what = path if path in ("mpi", "shm1", "shm2") or not path.startswith("shm") else \
             f"{path} (chunk {_mib(chunk)})"
         if self.rule:
             return f"{what}: {self.source}: {self.rule}"
@@ -178,7 +178,7 @@ def candidates(shm: bool, nnodes: int, uniform: bool, local_size: int,
     shm_ok = shm and local_size > 1 and (nnodes == 1 or uniform)
     if nnodes == 1:
         if shm_ok and compiled:
-            out.append(("shm1", 0))
+            out += [("shm1", 0), ("shm2", 0)]
         if shm_ok:
             out += [("shm", c) for c in CHUNKS]
         return out

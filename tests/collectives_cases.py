@@ -203,7 +203,8 @@ def case_hierarchical_paths(comm):
 
 
 def case_shm1_exact(comm):
-    """The compiled one-step path (shm1), forced at every size: every dtype and op the
+    """The compiled paths (shm1: one sync per step, every rank reduces all; shm2: two
+    syncs, each rank reduces a slice), each forced at every size: every dtype and op the
     runtime reduces (float16/bfloat16/complex through its Python fallback), counts of 0, 1,
     7, 1001 and 3 steps of its slot plus a tail, in place, out of place and out=, exact;
     random floats give the same bits on every rank; what it does not take (a strided array,
@@ -214,10 +215,19 @@ def case_shm1_exact(comm):
     if not shm1.available():
         _raises(ValueError, lambda: collectives.Comm(comm.mpi, path="shm1"), "this layout offers")
         raise Skip(f"the compiled engine is not in use here: {shm1.why_not()}")
-    sub = collectives.Comm(comm.mpi, path="shm1")
+    for path in ("shm1", "shm2"):
+        _compiled_path_exact(comm, path)
+
+
+def _compiled_path_exact(comm, path):
+    from collectives import dtypes as dt, shm1
+    sub = collectives.Comm(comm.mpi, path=path)
     try:
-        assert sub.allreduce_path(8) == sub.allreduce_path(64 << 20, True) == "shm1"
-        assert type(sub).allreduce is not sub.allreduce  # the engine's entry point
+        assert sub.allreduce_path(8) == sub.allreduce_path(64 << 20, True) == path
+        # The instance's allreduce is the engine's entry point; it takes calls without
+        # Python only where the table says shm1 from the smallest size up.
+        assert "allreduce" in vars(sub)
+        assert (sub._engine.limit_out, sub._engine.limit_in) == ((1 << 62,) * 2 if path == "shm1" else (0, 0))
         steps = 3 * shm1.cap_for(comm.local_size) // 8 + 5  # float64: 3 slots and a tail
         for dtype in _reduce_dtypes():
             for op in collectives.dtypes.REDUCE_OPS:
@@ -248,7 +258,20 @@ def case_shm1_exact(comm):
                             got = sub.allreduce(x, op, o, False)
                             assert got is o
                         assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), \
-                            f"{dt.dtype_name(dtype)} {op} n={n} {form}: {got[:8]} != {want[:8]}"
+                            f"{path} {dt.dtype_name(dtype)} {op} n={n} {form}: {got[:8]} != {want[:8]}"
+        # grouped_allreduce through the engine: arrays reduced where they are, as one stream
+        # crossing slot steps and slice boundaries inside arrays (sizes from 1 element).
+        sizes = [1, 3, 17, 1000, 40000, 5, 70001, 2, 16384, 9999]
+        for dtype in (np.float32, np.int64, np.float64):
+            work = [_pat(k, comm.rank + i, dtype) for i, k in enumerate(sizes)]
+            sub.grouped_allreduce(work, fusion_threshold=1 << 26)
+            for i, (k, w) in enumerate(zip(sizes, work)):
+                want = sum(_pat(k, r + i) for r in range(comm.size)).astype(dtype)
+                assert w.tobytes() == want.tobytes(), f"{path} grouped {dtype} array {i}"
+        noisy = [np.random.default_rng(comm.rank * 100 + i).standard_normal(k).astype(np.float32)
+                 for i, k in enumerate(sizes)]
+        sub.grouped_allreduce(noisy, op="avg")
+        assert _same_everywhere(comm, np.concatenate(noisy))
         shaped = _pat(24, comm.rank, np.float32).reshape(2, 3, 4)
         got = sub.allreduce(shaped)
         assert got.shape == (2, 3, 4)

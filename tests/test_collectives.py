@@ -438,7 +438,7 @@ def test_compiled_engine_is_built_where_a_compiler_is():
 def test_cases_without_the_compiled_engine():
     """DTRUN_COMPILED=0: the pure-Python paths and recorder store (as on a machine that could
     not build the engine) pass the same allreduce cases, and shm1 is not offered."""
-    names = "allreduce_ops,allreduce_forms,allreduce_shm_exact,path_selection_agrees,shm1_exact"
+    names = "allreduce_ops,allreduce_forms,allreduce_shm_exact,path_selection_agrees,grouped,shm1_exact"
     proc = launch(2, "-m", "tests.collectives_cases", "--only", names, timeout=180,
                   env_vars={"DTRUN_COMPILED": "0"})
     reps = reports(proc)
