@@ -193,12 +193,12 @@ def main() -> int:
             for v in ("oop", "ip"):
                 r = runs[k]["rows"][i]
                 x = r[f"{v}_ratio"]
-                mark = {"mpi": "", "shm1": "c"}.get(r.get(f"{v}_path", "mpi"), "s")
+                mark = {"mpi": "", "shm1": "¹", "shm2": "²"}.get(r.get(f"{v}_path", "mpi"), "s")
                 cell = f"{x:.2f}{mark}"
                 cells.append(f"**{cell}**" if x == lows[(k, v)] else cell)
         lines.append(f"| {mib(size)} | " + " | ".join(cells) + " |")
-    lines += ["", "`c`: the size took the compiled shared-memory path (shm1); `s`: the Python "
-              "shared-memory path (shm, chunked); the others MPI_Allreduce.", "",
+    lines += ["", "¹ ²: the size took the compiled shared-memory path shm1 or shm2; `s`: the "
+              "Python shared-memory path (shm, chunked); the others MPI_Allreduce.", "",
               "## Against the memory bound (quiet runs)", "",
               "Accounting per rank for an allreduce of N bytes over p ranks of one host: read "
               "its N input bytes, write its N output bytes, read its share (p-1)/p N of the "

@@ -47,6 +47,7 @@ import collectives
 c = collectives.init()
 ring = c._rec
 assert ring is not None, "no flight recorder: DTRUN_JOB_DIR not set?"
+eng = c._engine  # the compiled engine records on its own (its allreduce never enters Python)
 x = np.ones(2, np.float32)  # 8 bytes
 out = np.empty_like(x)
 iters, rounds = int(sys.argv[1]), int(sys.argv[2])
@@ -56,14 +57,18 @@ on, off = [], []
 for r in range(rounds):
     for state in ((ring, on), (None, off)) if r % 2 == 0 else ((None, off), (ring, on)):
         c._rec = state[0]
+        if eng is not None:
+            eng.recording = int(state[0] is not None)
         c.barrier()
         t0 = time.perf_counter()
         for _ in range(iters):
             c.allreduce(x, out=out)
         state[1].append((time.perf_counter() - t0) / iters)
 c._rec = ring
+if eng is not None:
+    eng.recording = 1
 if c.rank == 0:
-    print(json.dumps({"on": on, "off": off}))
+    print(json.dumps({"on": on, "off": off, "path": c.allreduce_path(8)}))
 """
 
 
@@ -98,7 +103,8 @@ def recorder_overhead(iters=20000, rounds=20) -> dict:
     # The fastest round of each is the least disturbed by other processes on a shared machine.
     return {"on_us": min(data["on"]) * 1e6, "off_us": min(data["off"]) * 1e6,
             "overhead": min(data["on"]) / min(data["off"]) - 1,
-            "overhead_median_paired": statistics.median(ratios) - 1, "rounds": rounds, "iters": iters}
+            "overhead_median_paired": statistics.median(ratios) - 1, "rounds": rounds, "iters": iters,
+            "path": data.get("path", "?")}
 
 
 def main() -> int:
@@ -107,7 +113,7 @@ def main() -> int:
     res: dict = {"reps": REPS, "cores": os.cpu_count()}
     res["recorder"] = rec = recorder_overhead()
     md = ["| measure | value | target |", "|---|---|---|",
-          f"| 8-byte allreduce, recorder on / off (2 ranks, fastest of {rec['rounds']} alternating rounds) | "
+          f"| 8-byte allreduce, recorder on / off (2 ranks, path {rec['path']}, fastest of {rec['rounds']} alternating rounds) | "
           f"{rec['on_us']:.2f} / {rec['off_us']:.2f} us | |",
           f"| flight recorder overhead (median of paired rounds {rec['overhead_median_paired'] * 100:+.1f} %) | "
           f"{rec['overhead'] * 100:+.1f} % | ≤ {TARGET_OVERHEAD * 100:.0f} % "

@@ -65,6 +65,7 @@ typedef struct {
     long long seq;
     long long rec_desc[N_TYPES];  /* operation and dtype bits of an allreduce, per type */
     long long rec_count_max;
+    int recording;            /* 0: stores skipped (the recorder benchmark's "off" rounds) */
     PyObject *keep;           /* objects that own the mappings (kept alive) */
     PyObject *fallback;       /* called with the original arguments when not taken */
     PyObject *empty_like;
@@ -423,7 +424,7 @@ static int op_of(PyObject *op) {
 }
 
 static void record(Engine *e, long long desc) {
-    if (e->rec != NULL) {
+    if (e->rec != NULL && e->recording) {
         long long s = ++e->seq;
         int64_t *r = e->rec + ((s & e->rec_mask) << 1);
         __atomic_store_n(r + 1, (int64_t)desc, __ATOMIC_RELAXED);   /* desc before seq */
@@ -680,6 +681,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
     e->epoch = 0;
     e->limit_out = e->limit_in = 0;
     e->spin_ns = SPIN_NS;
+    e->recording = 1;
     e->yield_ns = YIELD_NS;
     Py_XSETREF(e->keep, Py_NewRef(keep));
     Py_XSETREF(e->fallback, Py_NewRef(fallback));
@@ -730,6 +732,7 @@ static PyMemberDef Engine_members[] = {
      "allreduce() takes out-of-place calls below this many bytes"},
     {"limit_in", T_LONGLONG, offsetof(Engine, limit_in), 0, "... and in-place ones below this"},
     {"seq", T_LONGLONG, offsetof(Engine, seq), 0, "the flight recorder's sequence number"},
+    {"recording", T_INT, offsetof(Engine, recording), 0, "0: skip the recorder's stores"},
     {"spin_ns", T_LONGLONG, offsetof(Engine, spin_ns), 0, "a wait spins this long first"},
     {"yield_ns", T_LONGLONG, offsetof(Engine, yield_ns), 0, "then yields this long, then sleeps"},
     {"slept", T_LONGLONG, offsetof(Engine, slept), READONLY, "futex sleeps so far"},
