@@ -598,25 +598,6 @@ static PyObject *Engine_grouped(Engine *e, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_TRUE;
 }
 
-/* supports(x, op): whether reduce() handles this dtype and op (a NumPy array). */
-static PyObject *Engine_supports(Engine *e, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "supports(x, op)");
-        return NULL;
-    }
-    int op = op_of(args[1]);
-    Py_buffer v;
-    if (op < 0 || PyObject_GetBuffer(args[0], &v, PyBUF_FORMAT | PyBUF_ND) < 0) {
-        PyErr_Clear();
-        Py_RETURN_FALSE;
-    }
-    int type = type_of(&v);
-    PyBuffer_Release(&v);
-    if (type < 0 || (op == OP_AVG && type != T_F32 && type != T_F64))
-        Py_RETURN_FALSE;
-    Py_RETURN_TRUE;
-}
-
 /* note(desc): the flight recorder's store for a collective that Python starts. */
 static PyObject *Engine_note(Engine *e, PyObject *arg) {
     long long desc = PyLong_AsLongLong(arg);
@@ -720,8 +701,6 @@ static PyMethodDef Engine_methods[] = {
      "reduce(src, dst, op) -> bool: allreduce src into dst (False: dtype/op not handled)."},
     {"grouped", (PyCFunction)(void (*)(void))Engine_grouped, METH_FASTCALL,
      "grouped(pairs, rep, op) -> bool: arrays at (address, nbytes) rows, in place, as one."},
-    {"supports", (PyCFunction)(void (*)(void))Engine_supports, METH_FASTCALL,
-     "supports(x, op) -> bool"},
     {"note", (PyCFunction)Engine_note, METH_O, "note(desc): record a collective."},
     {"set_recorder", (PyCFunction)Engine_set_recorder, METH_VARARGS,
      "set_recorder(addr, mask, descs, count_max)"},
@@ -779,6 +758,5 @@ PyMODINIT_FUNC PyInit__fastshm(void) {
         return NULL;
     }
     PyModule_AddIntConstant(m, "N_TYPES", N_TYPES);
-    PyModule_AddIntConstant(m, "HEADER_MIN", 8);
     return m;
 }

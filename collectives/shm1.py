@@ -20,6 +20,7 @@ import os
 import numpy as np
 
 from ._mpi import MPI
+from . import waits
 
 try:
     from . import _fastshm
@@ -65,7 +66,7 @@ def cap_for(n: int) -> int:
 
 def header_bytes(n: int) -> int:
     """One rank's counter and per-rank sleeper flags, in whole cache lines (>= 2)."""
-    return max(128, -(-8 * (1 + n) // 64) * 64)
+    return max(128, waits.header_bytes(n))
 
 
 def engine(node_comm: MPI.Intracomm | None, fallback):
