@@ -15,10 +15,20 @@
  * that slot): one counter wait per step suffices.
  *
  * Every rank reduces the same slots in the same order, so every rank gets the same bits.
- * Waits: spin (both ranks on-CPU: the other is a moment behind), then sched_yield with
- * the GIL released, then sleep on the counter with a futex (2 ms timeout), checking for
- * Python signals (Ctrl-C) every 100 ms. A poster wakes sleepers only when one announced
- * itself, so the common case makes no system call.
+ * Waits: spin (both ranks on-CPU: the other is a moment behind); then, with the GIL
+ * released, keep spinning or yield the core, for up to yield_ns; then sleep on the counter
+ * with a futex (2 ms timeout), checking for Python signals (Ctrl-C) every 100 ms. A poster
+ * wakes sleepers only when one announced itself, so the common case makes no system call.
+ *
+ * Spin or yield: each rank posts the CPU it ran on (the header's last cache line). A rank
+ * waiting for one that last ran on its own CPU yields at once: the late rank needs this
+ * core. Otherwise it spins and does not yield, because sched_yield hands the core to
+ * whatever else runs there (a busy process: a whole time slice, 1-4 ms) and the late rank,
+ * on another core, is not helped by it. Nor does it go to sleep early: when the late rank
+ * is only preempted for a moment, a sleeping waiter costs it a wake-up on every step (with
+ * one core busy: 30-40 us per 4 KiB allreduce instead of 5). With more ranks than CPUs
+ * (yield_always) every wait yields after a short spin, as the late rank may be queued
+ * behind the waiter on any core.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -40,8 +50,9 @@ static inline PyObject *Py_NewRef(PyObject *o) { Py_INCREF(o); return o; }
 #endif
 
 #define MAX_RANKS 4096
+#define MAX_FAST 32          /* rows of allreduce()'s own path table */
 #define SPIN_NS 20000L       /* default: spin this long before yielding */
-#define YIELD_NS 200000L     /* default: then yield this long before sleeping */
+#define YIELD_NS 10000000L   /* default: then spin or yield this long before sleeping */
 #define SLEEP_NS 2000000L    /* futex timeout: the longest a missed wake-up can cost */
 #define SIGNAL_CHECK_NS 100000000L
 
@@ -56,9 +67,17 @@ typedef struct {
     char **seg;               /* seg[k]: rank k's segment in this process's mapping */
     int64_t epoch;            /* counter value posted last */
     int64_t step;             /* steps so far: a step's parity picks its slots */
-    long long limit_out, limit_in;  /* allreduce() takes sizes below these (bytes) */
+    /* allreduce()'s own table, out of place [0] and in place [1]: sizes below
+     * fast_bound[v][i] (and at or above the row before) take fast_code[v][i]
+     * (1: shm1, 2: shm2); sizes at or above the last bound go to the fallback */
+    long long fast_bound[2][MAX_FAST];
+    int fast_code[2][MAX_FAST], fast_n[2];
+    long long limit_out, limit_in;  /* the last bounds (read-only: tests read them) */
     long long slept;          /* times this rank went to sleep (benchmarks read it) */
+    long long shared_waits;   /* waits that yielded at once: the late rank ran on this CPU */
     long long spin_ns, yield_ns;
+    int yield_always;         /* more ranks than CPUs: every wait yields after its spin */
+    int my_cpu;               /* the CPU this rank posted last (-1: none yet) */
     /* flight recorder (optional): ring of (seq, desc) int64 pairs */
     int64_t *rec;
     long long rec_mask;
@@ -78,6 +97,17 @@ static const char *kwlist_names[] = {"x", "op", "out", "inplace"};
 static inline int64_t *counter(Engine *e, int k) { return (int64_t *)e->seg[k]; }
 static inline int64_t *flag(Engine *e, int k, int waiter) { return (int64_t *)e->seg[k] + 1 + waiter; }
 static inline char *slot(Engine *e, int k, int par) { return e->seg[k] + e->hdr + par * e->cap; }
+/* the CPU rank k ran on when it last posted: the header's last cache line, apart from the
+ * counter's (it changes only when the rank migrates) */
+static inline int64_t *cpu_of(Engine *e, int k) { return (int64_t *)(e->seg[k] + e->hdr - 64); }
+
+static inline int current_cpu(void) {
+#ifdef __linux__
+    return sched_getcpu();
+#else
+    return -1;
+#endif
+}
 
 static inline long now_ns(void) {
     struct timespec ts;
@@ -122,6 +152,11 @@ static void futex_wake(int64_t *addr) {
 
 static void post(Engine *e, int64_t epoch) {
     int64_t *mine = counter(e, e->me);
+    int cpu = current_cpu();
+    if (cpu != e->my_cpu) {
+        e->my_cpu = cpu;
+        __atomic_store_n(cpu_of(e, e->me), (int64_t)cpu, __ATOMIC_RELAXED);
+    }
     __atomic_store_n(mine, epoch, __ATOMIC_RELEASE);   /* the slot's data before the counter */
     __atomic_thread_fence(__ATOMIC_SEQ_CST);           /* the counter before the flags are read */
     for (int k = 0; k < e->n; k++) {
@@ -139,19 +174,34 @@ static int wait_for(Engine *e, int k, int64_t epoch) {
     if (__atomic_load_n(c, __ATOMIC_ACQUIRE) >= epoch)
         return 0;
     long start = now_ns();
-    for (;;) {
-        for (int i = 0; i < 64; i++) {
-            if (__atomic_load_n(c, __ATOMIC_ACQUIRE) >= epoch)
-                return 0;
-            cpu_relax();
+    /* k last ran on this CPU (or has not posted yet): it needs this core, yield at once */
+    int64_t kcpu = __atomic_load_n(cpu_of(e, k), __ATOMIC_RELAXED);
+    int shared = kcpu >= 0 && kcpu == current_cpu();
+    int yield = e->yield_always || kcpu < 0 || shared;
+    e->shared_waits += shared;
+    if (!yield || e->yield_always) {
+        for (;;) {
+            for (int i = 0; i < 64; i++) {
+                if (__atomic_load_n(c, __ATOMIC_ACQUIRE) >= epoch)
+                    return 0;
+                cpu_relax();
+            }
+            if (now_ns() - start > e->spin_ns)
+                break;
         }
-        if (now_ns() - start > e->spin_ns)
-            break;
     }
     int rc = 0;
     PyThreadState *ts = PyEval_SaveThread();
     while (now_ns() - start < e->spin_ns + e->yield_ns) {
-        sched_yield();
+        if (yield) {
+            sched_yield();
+        } else {
+            for (int i = 0; i < 256; i++) {
+                if (__atomic_load_n(c, __ATOMIC_ACQUIRE) >= epoch)
+                    goto done;
+                cpu_relax();
+            }
+        }
         if (__atomic_load_n(c, __ATOMIC_ACQUIRE) >= epoch)
             goto done;
     }
@@ -469,8 +519,11 @@ static PyObject *Engine_allreduce(Engine *e, PyObject *const *args, Py_ssize_t n
             goto slow;
         }
         int type = type_of(&xv);
-        long long limit = inplace ? e->limit_in : e->limit_out;
-        if (type < 0 || xv.len >= limit || xv.len == 0 ||
+        int code = 0;
+        for (int i = 0; i < e->fast_n[inplace]; i++) {
+            if (xv.len < e->fast_bound[inplace][i]) { code = e->fast_code[inplace][i]; break; }
+        }
+        if (type < 0 || code == 0 || xv.len == 0 ||
                 (op == OP_AVG && type != T_F32 && type != T_F64)) {
             PyBuffer_Release(&xv);
             goto slow;
@@ -512,7 +565,13 @@ static PyObject *Engine_allreduce(Engine *e, PyObject *const *args, Py_ssize_t n
         }
         Py_ssize_t count = xv.len / xv.itemsize;
         record(e, e->rec_desc[type] | (count < e->rec_count_max ? count : e->rec_count_max));
-        int rc = run(e, xv.buf, dst, count, type, op);
+        int rc;
+        if (code == 1) {
+            rc = run(e, xv.buf, dst, count, type, op);
+        } else {
+            seg_t seg = {xv.buf, dst, xv.len};
+            rc = run2(e, &seg, 1, type, op);
+        }
         if (have_ov) PyBuffer_Release(&ov);
         PyBuffer_Release(&xv);
         if (rc < 0) { Py_DECREF(result); return NULL; }
@@ -607,6 +666,43 @@ static PyObject *Engine_note(Engine *e, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* set_fast(out_rows, in_rows): allreduce()'s own table, each a tuple of (bound, code)
+ * rows with growing bounds; code 1: shm1, 2: shm2. Empty tuples: every call falls back. */
+static PyObject *Engine_set_fast(Engine *e, PyObject *args) {
+    PyObject *rows[2];
+    if (!PyArg_ParseTuple(args, "O!O!", &PyTuple_Type, &rows[0], &PyTuple_Type, &rows[1]))
+        return NULL;
+    long long bound[2][MAX_FAST];
+    int code[2][MAX_FAST];
+    for (int v = 0; v < 2; v++) {
+        Py_ssize_t m = PyTuple_GET_SIZE(rows[v]);
+        if (m > MAX_FAST) {
+            PyErr_Format(PyExc_ValueError, "set_fast: at most %d rows", MAX_FAST);
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < m; i++) {
+            if (!PyArg_ParseTuple(PyTuple_GET_ITEM(rows[v], i), "Li", &bound[v][i], &code[v][i]))
+                return NULL;
+            if ((code[v][i] != 1 && code[v][i] != 2) || bound[v][i] <= 0 ||
+                    (i > 0 && bound[v][i] <= bound[v][i - 1])) {
+                PyErr_SetString(PyExc_ValueError, "set_fast: rows are (growing bound > 0, code 1 or 2)");
+                return NULL;
+            }
+        }
+    }
+    for (int v = 0; v < 2; v++) {
+        int m = (int)PyTuple_GET_SIZE(rows[v]);
+        for (int i = 0; i < m; i++) {
+            e->fast_bound[v][i] = bound[v][i];
+            e->fast_code[v][i] = code[v][i];
+        }
+        e->fast_n[v] = m;
+    }
+    e->limit_out = e->fast_n[0] ? e->fast_bound[0][e->fast_n[0] - 1] : 0;
+    e->limit_in = e->fast_n[1] ? e->fast_bound[1][e->fast_n[1] - 1] : 0;
+    Py_RETURN_NONE;
+}
+
 /* set_recorder(addr, mask, descs, count_max): record into the ring of int64 pairs at
  * addr (kept alive by the caller, who passes its owner to keep()); descs: the
  * operation|dtype bits of an allreduce for each type code. */
@@ -640,6 +736,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
         return -1;
     if (n < 1 || n > MAX_RANKS || me < 0 || me >= n || !PyTuple_Check(addrs) ||
             (n > 1 && PyTuple_GET_SIZE(addrs) != n) || cap < 0 || cap % 64 || hdr < 8 * (1 + n) ||
+            (n > 1 && hdr < 8 * (1 + n) + 64) ||
             !PyType_Check(ndarray) || !PyCallable_Check(fallback)) {
         PyErr_SetString(PyExc_ValueError, "Engine: bad layout");
         return -1;
@@ -658,9 +755,13 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
             if (PyErr_Occurred()) return -1;
         }
         memset(e->seg[me], 0, hdr);
+        *cpu_of(e, me) = -1;
     }
+    e->my_cpu = -1;
+    e->yield_always = 0;
     e->epoch = 0;
     e->limit_out = e->limit_in = 0;
+    e->fast_n[0] = e->fast_n[1] = 0;
     e->spin_ns = SPIN_NS;
     e->recording = 1;
     e->yield_ns = YIELD_NS;
@@ -704,17 +805,23 @@ static PyMethodDef Engine_methods[] = {
     {"note", (PyCFunction)Engine_note, METH_O, "note(desc): record a collective."},
     {"set_recorder", (PyCFunction)Engine_set_recorder, METH_VARARGS,
      "set_recorder(addr, mask, descs, count_max)"},
+    {"set_fast", (PyCFunction)Engine_set_fast, METH_VARARGS,
+     "set_fast(out_rows, in_rows): allreduce()'s (bound, code) rows; code 1: shm1, 2: shm2"},
     {NULL, NULL, 0, NULL}};
 
 static PyMemberDef Engine_members[] = {
-    {"limit_out", T_LONGLONG, offsetof(Engine, limit_out), 0,
-     "allreduce() takes out-of-place calls below this many bytes"},
-    {"limit_in", T_LONGLONG, offsetof(Engine, limit_in), 0, "... and in-place ones below this"},
+    {"limit_out", T_LONGLONG, offsetof(Engine, limit_out), READONLY,
+     "allreduce() takes out-of-place calls below this many bytes (set_fast sets it)"},
+    {"limit_in", T_LONGLONG, offsetof(Engine, limit_in), READONLY, "... and in-place ones below this"},
     {"seq", T_LONGLONG, offsetof(Engine, seq), 0, "the flight recorder's sequence number"},
     {"recording", T_INT, offsetof(Engine, recording), 0, "0: skip the recorder's stores"},
     {"spin_ns", T_LONGLONG, offsetof(Engine, spin_ns), 0, "a wait spins this long first"},
-    {"yield_ns", T_LONGLONG, offsetof(Engine, yield_ns), 0, "then yields this long, then sleeps"},
+    {"yield_ns", T_LONGLONG, offsetof(Engine, yield_ns), 0, "then spins or yields this long, then sleeps"},
+    {"yield_always", T_INT, offsetof(Engine, yield_always), 0,
+     "1: every wait yields after its spin (more ranks than CPUs)"},
     {"slept", T_LONGLONG, offsetof(Engine, slept), READONLY, "futex sleeps so far"},
+    {"shared_waits", T_LONGLONG, offsetof(Engine, shared_waits), READONLY,
+     "waits that yielded at once because the late rank last ran on this CPU"},
     {"epoch", T_LONGLONG, offsetof(Engine, epoch), READONLY, "steps so far"},
     {"cap", T_PYSSIZET, offsetof(Engine, cap), READONLY, "bytes per slot (one step)"},
     {NULL, 0, 0, 0, NULL}};

@@ -183,14 +183,15 @@ class Comm:
 
     def _fast_limits(self) -> None:
         """The sizes the compiled allreduce takes without entering Python: those below the
-        first size whose path is not shm1 (none in DTRUN_CHECK mode, which Python does)."""
+        first size whose path is neither shm1 nor shm2 (none in DTRUN_CHECK mode, which
+        Python does)."""
         eng = getattr(self, "_engine", None)
         if eng is None or self._engine_win is None:
             return
         if self._check:
-            eng.limit_out = eng.limit_in = 0
+            eng.set_fast((), ())
         else:
-            eng.limit_out, eng.limit_in = (self._paths.leading("shm1", ip) for ip in (False, True))
+            eng.set_fast(*(self._paths.compiled_rows(ip) for ip in (False, True)))
 
     def _select_paths(self, use_shm: bool, shm_threshold: int | None,
                       shm_chunk: int | None, path: str | None) -> "_tuning.Table":
@@ -440,6 +441,7 @@ class Comm:
             self._shm = None
         if self._engine_win is not None:
             self.__dict__.pop("allreduce", None)  # back to Comm.allreduce (breaks the cycle)
+            self._engine.set_fast((), ())  # a bound method kept from before falls back too
             _shm1.free(self._engine_win)
             self._engine_win = None
             if self._rec_store != self._engine.note:

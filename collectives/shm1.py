@@ -50,6 +50,9 @@ def why_not() -> str:
 
 
 OVERSUBSCRIBED_SPIN_NS = 500
+# ...and yields for this long before sleeping: a rank that is not running is queued behind
+# the others, so waiting on-CPU for milliseconds only delays it
+OVERSUBSCRIBED_YIELD_NS = 200_000
 
 
 def usable_cpus() -> int:
@@ -65,8 +68,9 @@ def cap_for(n: int) -> int:
 
 
 def header_bytes(n: int) -> int:
-    """One rank's counter and per-rank sleeper flags, in whole cache lines (>= 2)."""
-    return max(128, waits.header_bytes(n))
+    """One rank's counter and per-rank sleeper flags in whole cache lines, then one more
+    line for the CPU the rank last ran on (the engine's waits read it)."""
+    return waits.header_bytes(n) + 64
 
 
 def engine(node_comm: MPI.Intracomm | None, fallback):
@@ -88,6 +92,8 @@ def engine(node_comm: MPI.Intracomm | None, fallback):
         # More ranks than cores: a spinning rank holds the core the late rank needs
         # (3 ranks on 2 cores: 22 us per 8-byte call with a 20 us spin, 4 us with 0.5 us).
         eng.spin_ns = OVERSUBSCRIBED_SPIN_NS
+        eng.yield_always = 1
+        eng.yield_ns = OVERSUBSCRIBED_YIELD_NS
     win.Sync()
     node_comm.Barrier()  # every header is zeroed before anyone posts
     return eng, win

@@ -123,17 +123,24 @@ class Table:
         t.floor = threshold if path != "mpi" else 1 << 62
         return t
 
-    def leading(self, path: str, inplace: bool) -> int:
-        """The sizes from 0 up to the returned bound (exclusive) all take ``path``: the
-        compiled allreduce takes those without entering Python."""
+    def compiled_rows(self, inplace: bool) -> tuple[tuple[int, int], ...]:
+        """The leading sizes that take a compiled path, as the engine's own table: rows of
+        (bound, code), sizes below ``bound`` and at or above the row before take code 1
+        (shm1) or 2 (shm2); from the first size that takes another path on, none."""
+        code = {"shm1": 1, "shm2": 2}
         fixed = getattr(self, "_fixed", None)
         if fixed is not None:
-            return 1 << 62 if fixed[0] == path and self.floor == 0 else 0
-        row = self.rows[1 if inplace else 0]
-        for i, r in enumerate(row):
-            if r[0] != path:
-                return 0 if i == 0 else BUCKETS[i]
-        return 1 << 62
+            return ((1 << 62, code[fixed[0]]),) if fixed[0] in code and self.floor == 0 else ()
+        out: list[tuple[int, int]] = []
+        for i, r in enumerate(self.rows[1 if inplace else 0]):
+            if r[0] not in code:
+                break
+            bound = BUCKETS[i + 1] if i + 1 < len(BUCKETS) else 1 << 62
+            if out and out[-1][1] == code[r[0]]:
+                out[-1] = (bound, code[r[0]])
+            else:
+                out.append((bound, code[r[0]]))
+        return tuple(out)
 
     def pick(self, nbytes: int, inplace: bool) -> tuple[str, int]:
         if nbytes < self.floor:

@@ -224,10 +224,10 @@ def _compiled_path_exact(comm, path):
     sub = collectives.Comm(comm.mpi, path=path)
     try:
         assert sub.allreduce_path(8) == sub.allreduce_path(64 << 20, True) == path
-        # The instance's allreduce is the engine's entry point; it takes calls without
-        # Python only where the table says shm1 from the smallest size up.
+        # The instance's allreduce is the engine's entry point; it takes every size
+        # without Python when the table says shm1 or shm2 from the smallest size up.
         assert "allreduce" in vars(sub)
-        assert (sub._engine.limit_out, sub._engine.limit_in) == ((1 << 62,) * 2 if path == "shm1" else (0, 0))
+        assert (sub._engine.limit_out, sub._engine.limit_in) == (1 << 62,) * 2
         steps = 3 * shm1.cap_for(comm.local_size) // 8 + 5  # float64: 3 slots and a tail
         for dtype in _reduce_dtypes():
             for op in collectives.dtypes.REDUCE_OPS:
@@ -298,9 +298,52 @@ def _compiled_path_exact(comm, path):
             _raises(MismatchError, lambda: sub.allreduce(x), "element count")
         sub.check = False
         np.testing.assert_array_equal(sub.allreduce(_pat(9, comm.rank)), _total(comm, 9))
+        kept = sub.allreduce  # the engine's entry, kept past free()
     finally:
         sub.free()
     assert sub.allreduce_path(8) == "mpi" and "allreduce" not in vars(sub)  # Comm.allreduce again
+    # the freed engine takes nothing: the kept entry falls back to Comm.allreduce (MPI)
+    np.testing.assert_array_equal(kept(_pat(9, comm.rank)), _total(comm, 9))
+
+
+def case_shm1_waits(comm):
+    """The compiled engine's waits spin when the late rank runs on another CPU and yield
+    at once when it last ran on this one: ranks pinned to separate CPUs never count a
+    shared-CPU wait; pinned to one CPU they do (and still finish, with exact sums)."""
+    from collectives import shm1
+    if comm.local_size < 2 or comm.nnodes > 1 or not shm1.available():
+        raise Skip("needs the compiled engine and several ranks on one host only")
+    cpus = sorted(os.sched_getaffinity(0))
+    sub = collectives.Comm(comm.mpi, path="shm1")
+    try:
+        eng = sub._engine
+        # more ranks than CPUs: every wait yields after a short spin (no CPU test to make)
+        assert bool(eng.yield_always) == (comm.local_size > shm1.usable_cpus())
+        if eng.yield_always:
+            assert (eng.spin_ns, eng.yield_ns) == (shm1.OVERSUBSCRIBED_SPIN_NS, shm1.OVERSUBSCRIBED_YIELD_NS)
+            return
+        x = np.full(2, comm.rank + 1.0)
+        want = np.full(2, comm.size * (comm.size + 1) / 2)
+
+        def run(cpu_set):
+            os.sched_setaffinity(0, cpu_set)
+            for _ in range(20):  # every rank posts from its new CPU before counting starts
+                sub.allreduce(x)
+            comm.mpi.Barrier()
+            before = eng.shared_waits
+            for _ in range(300):
+                np.testing.assert_array_equal(sub.allreduce(x), want)
+            got = eng.shared_waits - before
+            comm.mpi.Barrier()  # nobody still runs the old pinning's steps
+            return comm.mpi.allreduce(got)
+
+        try:
+            assert run({cpus[comm.local_rank % len(cpus)]}) == 0
+            assert run({cpus[0]}) > 0
+        finally:
+            os.sched_setaffinity(0, cpus)
+    finally:
+        sub.free()
 
 
 def _reduce_dtypes():

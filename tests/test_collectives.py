@@ -404,20 +404,24 @@ def test_cache_file_corrupt_or_missing_reads_empty(tmp_path):
     assert not list(f.parent.glob(".*.tmp"))
 
 
-def test_leading_bound_is_where_the_table_first_leaves_a_path():
-    """The compiled allreduce takes sizes below Table.leading() without entering Python: it
-    must stop at the first size whose decision is another path."""
+def test_compiled_rows_stop_where_the_table_first_leaves_the_compiled_paths():
+    """The compiled allreduce takes sizes in Table.compiled_rows() without entering Python:
+    shm1 and shm2 rows as the table has them, up to the first size whose decision is
+    another path."""
     from collectives import tuning
     b = tuning.BUCKETS
     row = lambda paths: [(p, 0, 1.0, 1.0) for p in paths]  # noqa: E731
-    rows = [row(["shm1"] * 3 + ["shm"] * 3 + ["shm1"] * 3), row(["mpi"] + ["shm1"] * 8)]
+    rows = [row(["shm1"] * 2 + ["shm2"] + ["shm"] * 3 + ["shm1"] * 3), row(["mpi"] + ["shm1"] * 8)]
     t = tuning.Table(rows, "test")
-    assert t.leading("shm1", False) == b[3]   # not b[8]: 16 KiB-1 MiB take shm
-    assert t.leading("shm1", True) == 0        # 256 B and below take MPI
-    assert t.pick(b[6], False) == ("shm1", 0)  # past the bound, Python picks it again
-    assert tuning.Table([row(["shm1"] * 9)] * 2, "t").leading("shm1", True) == 1 << 62
-    assert tuning.Table.fixed("shm1", 0, 0, "forced").leading("shm1", False) == 1 << 62
-    assert tuning.Table.fixed("shm", 0, 1 << 20, "forced").leading("shm1", False) == 0
+    # 0-1 KiB shm1, 1-4 KiB shm2, then none: not b[8], 16 KiB-1 MiB take shm
+    assert t.compiled_rows(False) == ((b[2], 1), (b[3], 2))
+    assert t.compiled_rows(True) == ()         # 256 B and below take MPI
+    assert t.pick(b[6], False) == ("shm1", 0)  # past the last bound, Python picks it again
+    assert tuning.Table([row(["shm2", "shm1"] + ["shm2"] * 7)] * 2, "t").compiled_rows(True) == \
+        ((b[1], 2), (b[2], 1), (1 << 62, 2))
+    assert tuning.Table.fixed("shm1", 0, 0, "forced").compiled_rows(False) == ((1 << 62, 1),)
+    assert tuning.Table.fixed("shm2", 0, 0, "forced").compiled_rows(True) == ((1 << 62, 2),)
+    assert tuning.Table.fixed("shm", 0, 1 << 20, "forced").compiled_rows(False) == ()
     assert tuning.Table.fixed("shm1", 0, 0, "forced").explain(8).startswith("shm1: forced")
 
 
