@@ -381,6 +381,12 @@ def test_path_table_decides_fastest_and_mpi_on_ties():
     assert rows[0][0] == ("mpi", 0, tuning.NOT_MEASURED, tuning.NOT_MEASURED)
     assert tuning._valid_rows(rows, cands)
     assert "latency-bound and not measured" in tuning.Table(rows, "x").explain(1000)
+    # Across hosts another path must be clearly faster: 0.5x MPI's time leaves MPI, 0.85x
+    # (a "win" the size of the network's noise) does not.
+    times[6:, 0, 2] = np.inf
+    times[4:6, 0, 1] = 0.85
+    rows = tuning.decide(times, cands, tuning.HOSTS_MARGIN)
+    assert [r[0] for r in rows[0][4:8]] == ["mpi", "mpi", "shm", "shm"]
 
 
 def test_fixed_rule_table():
