@@ -37,6 +37,9 @@ BIN = Path(sys.executable).parent
 # needs R rounds to catch each side out of it.
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "7"))
 MIN_TIME = float(os.environ.get("BENCH_MIN_TIME", "0.004"))
+# With core 0 busy a rank that shares it is off-CPU a whole 4 ms tick at a time, so a 4 ms
+# timing is one tick more or less; 40 ms ones average ten of them.
+MIN_TIME_BUSY = float(os.environ.get("BENCH_MIN_TIME_BUSY", "0.04"))
 GOAL_MIN, NOISE, GOAL_SHM, GOAL_FUSION = 1.0, 0.95, 1.5, 5.0
 
 
@@ -84,10 +87,10 @@ def mib(n: int) -> str:
     return f"{n / 2**20:g} MiB" if n >= 2**20 else f"{n / 1024:g} KiB" if n >= 1024 else f"{n} B"
 
 
-def sweep(nranks: int, refresh: bool) -> dict:
+def sweep(nranks: int, refresh: bool, min_time: float = MIN_TIME) -> dict:
     env = {"DTRUN_TUNE": "refresh"} if refresh else {}
     return bench(nranks, "-o", "allreduce", "-b", "8", "-e", "64M", "-f", "2", "-n", "3",
-                 "-w", "2", "--min-time", str(MIN_TIME), "--baseline", "--bound",
+                 "-w", "2", "--min-time", str(min_time), "--baseline", "--bound",
                  "--rounds", str(ROUNDS), env=env)
 
 
@@ -127,7 +130,7 @@ def main() -> int:
         tables[n] = paths_table(n)
     with Hog():
         for n in (2, 3):
-            runs[f"{n} ranks, core 0 busy"] = sweep(n, refresh=False)
+            runs[f"{n} ranks, core 0 busy"] = sweep(n, refresh=False, min_time=MIN_TIME_BUSY)
     fused = bench(2, "-o", "grouped", "-b", "4K", "-e", "4K", "--tensors", "256", "-n", "10",
                   "-w", "3", "--min-time", "0.05", "--rounds", str(ROUNDS + 2))
     fused_big = bench(2, "-o", "grouped", "-b", "16M", "-e", "16M", "--tensors", "4", "-n", "3",
@@ -174,8 +177,8 @@ def main() -> int:
         "# Collectives benchmark (localhost)", "",
         f"Host: {os.cpu_count()} cores; load average {load_before[0]:.2f} before, "
         f"{load_after[0]:.2f} after (a shared host: timings vary between runs). Ours and raw "
-        f"mpi4py timed alternately, best of {ROUNDS} rounds each, each timing at least "
-        f"{MIN_TIME * 1e3:g} ms; float32 sum. Ratio = raw time / our time (above 1: ours is "
+        f"mpi4py timed alternately, best of {ROUNDS} rounds each, each timed loop at least "
+        f"{MIN_TIME * 1e3:g} ms ({MIN_TIME_BUSY * 1e3:g} ms with a core busy); float32 sum. Ratio = raw time / our time (above 1: ours is "
         "faster); the lowest of each column is **bold**. 'busy': a `while 1: pass` process "
         "pinned to core 0 for the whole run.", "",
         "## Goals", "", "| goal | measured | target | met |", "|---|---|---|---|"]

@@ -118,23 +118,23 @@ class Timer:
 
     def __call__(self, fn: Callable[[], Any], warmup: int, iters: int,
                  min_time: float = 0.0) -> float:
-        t0 = self.MPI.Wtime()
         for _ in range(warmup):
             fn()
-        if min_time > 0:
-            # The same count on every rank: the slowest rank's estimate decides.
-            est = (self.MPI.Wtime() - t0) / max(warmup, 1)
-            want = self.np.array([min(10 ** 6, max(iters, int(min_time / max(est, 1e-8))))],
-                                 dtype=self.np.int64)
-            self.mpi.Allreduce(self.MPI.IN_PLACE, want, op=self.MPI.MIN)
-            iters = int(want[0])
-        self.mpi.Barrier()
-        t0 = self.MPI.Wtime()
-        for _ in range(iters):
-            fn()
-        self._buf[0] = (self.MPI.Wtime() - t0) / max(iters, 1)
-        self.mpi.Allreduce(self.MPI.IN_PLACE, self._buf, op=self.MPI.MAX)
-        return float(self._buf[0])
+        while True:
+            self.mpi.Barrier()
+            t0 = self.MPI.Wtime()
+            for _ in range(iters):
+                fn()
+            self._buf[0] = self.MPI.Wtime() - t0
+            self.mpi.Allreduce(self.MPI.IN_PLACE, self._buf, op=self.MPI.MAX)
+            took = float(self._buf[0])
+            # With min_time, the timed loop must itself last that long: a count sized from a
+            # warm-up that one stall (a 4 ms scheduler tick behind a busy process) made slow
+            # gives a loop of a few calls, and one tick in it sets the figure. So grow the
+            # count (the same on every rank: the slowest rank's time decides) and time again.
+            if took >= min_time or iters >= 10 ** 6:
+                return took / max(iters, 1)
+            iters = min(10 ** 6, max(2 * iters, int(1.2 * iters * min_time / max(took, 1e-9))))
 
 
 def _values(n: int, shift: int):
