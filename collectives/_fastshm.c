@@ -364,6 +364,16 @@ static const char *stream_src(const seg_t *segs, Py_ssize_t nseg, const Py_ssize
     return tmp;
 }
 
+/* Bytes of the stream from offset ``off`` to the end of the segment holding it. */
+static Py_ssize_t seg_rest(const seg_t *segs, Py_ssize_t nseg, const Py_ssize_t *starts,
+                           Py_ssize_t *hint, Py_ssize_t off) {
+    Py_ssize_t i = *hint;
+    while (i > 0 && starts[i] > off) i--;
+    while (i + 1 < nseg && starts[i + 1] <= off) i++;
+    *hint = i;
+    return starts[i] + segs[i].len - off;
+}
+
 #define BLOCK 8192  /* bytes reduced at a time in phase 2 (stays in L1) */
 
 static int run2(Engine *e, const seg_t *segs, Py_ssize_t nseg, int type, int op) {
@@ -403,8 +413,12 @@ static int run2(Engine *e, const seg_t *segs, Py_ssize_t nseg, int type, int op)
         if (hi > m) hi = m;
         hint = 0;
         Py_ssize_t whint = 0;
-        for (Py_ssize_t b = lo; b < hi; b += BLOCK) {
-            Py_ssize_t len = hi - b < BLOCK ? hi - b : BLOCK;
+        for (Py_ssize_t b = lo, len; b < hi; b += len) {
+            len = hi - b < BLOCK ? hi - b : BLOCK;
+            /* A block ends where its first segment does when the segment ends inside it
+             * (grouped arrays of 4 KiB: no gather into ownbuf, which cost a copy). */
+            Py_ssize_t rest = seg_rest(segs, nseg, starts, &hint, start + b);
+            if (rest < len) len = rest;
             Py_ssize_t cnt = len / isz;
             const char *own = stream_src(segs, nseg, starts, &hint, start + b, len, ownbuf);
             const char *in0 = me == 0 ? own : slot(e, 0, par) + b;
@@ -795,6 +809,24 @@ static void Engine_dealloc(Engine *e) {
     Py_TYPE(e)->tp_free((PyObject *)e);
 }
 
+/* barrier_ns(iters): ``iters`` barriers over the engine's ranks (post, wait for all:
+ * the synchronisation each collective step pays); collective over the host's ranks.
+ * Returns the mean nanoseconds per barrier: the cost of one handoff between cores, which
+ * on a VM changes with where the host runs its vCPUs. */
+static PyObject *Engine_barrier_ns(Engine *e, PyObject *arg) {
+    long iters = PyLong_AsLong(arg);
+    if (iters == -1 && PyErr_Occurred()) return NULL;
+    if (iters < 1 || e->n < 2) return PyFloat_FromDouble(0.0);
+    long t0 = now_ns();
+    for (long i = 0; i < iters; i++) {
+        int64_t epoch = ++e->epoch;
+        post(e, epoch);
+        for (int k = 0; k < e->n; k++)
+            if (k != e->me && wait_for(e, k, epoch) < 0) return NULL;
+    }
+    return PyFloat_FromDouble((double)(now_ns() - t0) / iters);
+}
+
 static PyMethodDef Engine_methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))Engine_allreduce, METH_FASTCALL | METH_KEYWORDS,
      "allreduce(x, op='sum', out=None, inplace=False): the NumPy hot path, or the fallback."},
@@ -803,6 +835,8 @@ static PyMethodDef Engine_methods[] = {
     {"grouped", (PyCFunction)(void (*)(void))Engine_grouped, METH_FASTCALL,
      "grouped(pairs, rep, op) -> bool: arrays at (address, nbytes) rows, in place, as one."},
     {"note", (PyCFunction)Engine_note, METH_O, "note(desc): record a collective."},
+    {"barrier_ns", (PyCFunction)Engine_barrier_ns, METH_O,
+     "barrier_ns(iters) -> float: mean ns per shared-memory barrier (collective)."},
     {"set_recorder", (PyCFunction)Engine_set_recorder, METH_VARARGS,
      "set_recorder(addr, mask, descs, count_max)"},
     {"set_fast", (PyCFunction)Engine_set_fast, METH_VARARGS,

@@ -350,12 +350,26 @@ def run_grouped(comm, args, timer: Timer) -> list[dict]:
             for a in arrays:
                 comm.allreduce(a, inplace=True)
         fused = lambda: comm.grouped_allreduce(arrays)  # noqa: E731
+        fns = [("fused", fused), ("separate", separate)]
+        if args.baseline:
+            # What a user without dtrun writes: one MPI_Allreduce in place per array.
+            from ._mpi import MPI
+            mop, t = dt.mpi_op(dtype, "sum"), dt.mpi_type(dtype)
+
+            def raw_separate():
+                for a in arrays:
+                    comm.mpi.Allreduce(MPI.IN_PLACE, [a, t], mop)
+            fns.append(("raw_separate", raw_separate))
+        total = count * dtype.itemsize * args.tensors
+        if args.bound:
+            # memcpy of the whole group's bytes on every rank at once (see --bound).
+            src, dst = np.ones(total, np.uint8), np.zeros(total, np.uint8)
+            fns.append(("memcpy", lambda: np.copyto(dst, src)))
         best: dict[str, float] = {}
         for _ in range(max(1, args.rounds)):
-            for key, fn in (("fused", fused), ("separate", separate)):
+            for key, fn in fns:
                 sec = timer(fn, max(1, args.warmup_iters), args.iters, args.min_time)
                 best[key] = min(best.get(key, sec), sec)
-        total = count * dtype.itemsize * args.tensors
         wrong = 0
         if args.check:
             fresh = [dt.from_float64(_values(count, comm.rank), dtype) for _ in range(8)]
@@ -369,17 +383,37 @@ def run_grouped(comm, args, timer: Timer) -> list[dict]:
             "fused_time_us": best["fused"] * 1e6, "separate_time_us": best["separate"] * 1e6,
             "fused_busbw": total / best["fused"] / 1e9 * factor,
             "speedup": best["separate"] / best["fused"], "wrong": wrong})
+        if "raw_separate" in best:
+            rows[-1]["raw_separate_time_us"] = best["raw_separate"] * 1e6
+            rows[-1]["raw_speedup"] = best["raw_separate"] / best["fused"]
+        if "memcpy" in best:
+            # The allreduce's memory bound for the whole group (the accounting of --bound),
+            # and the fusion ratio a fused call at that bound would reach: the most
+            # fusion can give once separate calls are this fast.
+            n = comm.size
+            bound = (2 + (n - 1) / n) * total / (2 * total / best["memcpy"])
+            rows[-1]["bound_us"] = bound * 1e6
+            rows[-1]["bound_frac"] = bound / best["fused"]
+            rows[-1]["speedup_at_bound"] = best["separate"] / bound
     return rows
 
 
 def format_table(rows: list[dict], baseline: bool) -> str:
     if rows and rows[0]["op"] == "grouped":
         lines = [f"# grouped_allreduce of {rows[0]['tensors']} arrays vs one allreduce each",
-                 "#  size(B)/array     count   type   fused(us)  separate(us)  speedup  #wrong"]
+                 "#  size(B)/array     count   type   fused(us)  separate(us)  speedup  #wrong"
+                 + ("  raw-separate(us)  speedup" if "raw_speedup" in rows[0] else "")
+                 + ("  bound(us)  frac  speedup-at-bound" if "bound_us" in rows[0] else "")]
         for r in rows:
-            lines.append(f"{r['size']:>14} {r['count']:>9} {_SHORT.get(r['type'], r['type']):>6} "
-                         f"{r['fused_time_us']:>11.1f} {r['separate_time_us']:>13.1f} "
-                         f"{r['speedup']:>8.2f} {r['wrong']:>7}")
+            line = (f"{r['size']:>14} {r['count']:>9} {_SHORT.get(r['type'], r['type']):>6} "
+                    f"{r['fused_time_us']:>11.1f} {r['separate_time_us']:>13.1f} "
+                    f"{r['speedup']:>8.2f} {r['wrong']:>7}")
+            if "raw_speedup" in r:
+                line += f" {r['raw_separate_time_us']:>17.1f} {r['raw_speedup']:>8.2f}"
+            if "bound_us" in r:
+                line += (f" {r['bound_us']:>10.1f} {r['bound_frac']:>5.2f} "
+                         f"{r['speedup_at_bound']:>17.2f}")
+            lines.append(line)
         return "\n".join(lines)
     head1 = ("#" + " " * 62 + "out-of-place" + " " * 23 + "in-place")
     head2 = ("#       size         count      type   redop    root     time   algbw   busbw "
@@ -420,25 +454,31 @@ def main(argv: list[str] | None = None) -> int:
     from . import comm as comm_mod
     comm = comm_mod.world() if args.path is None else comm_mod.Comm(path=args.path)
     timer = Timer(comm)
+    # One handoff between cores, measured now: small-size times follow it (median of 3).
+    handoff = sorted(comm.shm_barrier_ns(2000) or 0.0 for _ in range(3))[1] or None
     ops = list(COLLECTIVES) if args.op == "all" else [args.op]
     sections = []
     for op in ops:
         rows = run_grouped(comm, args, timer) if op == "grouped" else \
             run_collective(comm, args, op, timer)
         sections.append(rows)
+    handoff_end = sorted(comm.shm_barrier_ns(2000) or 0.0 for _ in range(3))[1] or None
     all_rows = [r for rows in sections for r in rows]
     wrong = sum(max(r.get("oop_wrong", 0), 0) + max(r.get("ip_wrong", 0), 0) + r.get("wrong", 0)
                 for r in all_rows)
     if comm.rank == 0:
         if args.json:
             print(json.dumps({"nranks": comm.size, "nnodes": comm.nnodes,
+                              "shm_barrier_ns": handoff, "shm_barrier_ns_end": handoff_end,
                               "paths": comm.allreduce_paths(),
                               "args": {k: v for k, v in vars(args).items()},
                               "rows": all_rows, "avg_busbw": avg_busbw(all_rows),
                               "wrong": wrong}, indent=1))
         else:
             print(f"# collectives.bench: {comm.size} ranks on {comm.nnodes} host(s), "
-                  f"{args.iters} iters, {args.warmup_iters} warmup, rounds {args.rounds}")
+                  f"{args.iters} iters, {args.warmup_iters} warmup, rounds {args.rounds}"
+                  + (f", shared-memory barrier {handoff:.0f} ns at the start, "
+                     f"{handoff_end:.0f} ns at the end" if handoff and handoff_end else ""))
             for rows in sections:
                 print(format_table(rows, args.baseline and rows[0]["op"] != "grouped"))
             print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")

@@ -430,6 +430,15 @@ class Comm:
                              "reason": self._paths.explain(size, bool(ip))})
         return rows
 
+    def shm_barrier_ns(self, iters: int = 5000) -> float | None:
+        """Mean nanoseconds per barrier of this host's ranks through the shared-memory
+        engine (the synchronisation every shared-memory step pays), or None without one.
+        Collective over the host's ranks. Benchmarks print it: on a VM it moves with
+        where the vCPUs run, and the small-size figures move with it."""
+        if self._engine_win is None:
+            return None
+        return self._engine.barrier_ns(int(iters))
+
     def free(self) -> None:
         """Release the shared-memory window (collective over the node) and the cached
         grouped_allreduce plans (which hold references to the arrays they cover)."""

@@ -342,6 +342,14 @@ def case_shm1_waits(comm):
             assert run({cpus[0]}) > 0
         finally:
             os.sched_setaffinity(0, cpus)
+        # barrier_ns keeps the ranks' epochs in step: the sums after it stay exact
+        assert sub.shm_barrier_ns(200) > 0
+        np.testing.assert_array_equal(sub.allreduce(x), want)
+        no_shm = collectives.Comm(comm.mpi, shm=False)
+        try:
+            assert no_shm.shm_barrier_ns(10) is None
+        finally:
+            no_shm.free()
     finally:
         sub.free()
 

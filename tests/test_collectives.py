@@ -285,10 +285,19 @@ def test_bench_table_columns():
 @pytest.mark.mpi
 def test_bench_grouped():
     proc = launch(2, "-m", "collectives.bench", "-o", "grouped", "-b", "4K", "-e", "4K",
-                  "--tensors", "64", "-n", "3", "-w", "1", "--json")
+                  "--tensors", "64", "-n", "3", "-w", "1", "--baseline", "--bound", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    row = json.loads(proc.stdout[proc.stdout.index("{"):])["rows"][0]
+    doc = json.loads(proc.stdout[proc.stdout.index("{"):])
+    row = doc["rows"][0]
     assert row["tensors"] == 64 and row["wrong"] == 0 and row["speedup"] > 0
+    # raw MPI's separate calls, and the ceiling the memory bound puts on fusion
+    fused, sep = row["fused_time_us"], row["separate_time_us"]
+    assert row["raw_speedup"] == pytest.approx(row["raw_separate_time_us"] / fused)
+    assert row["bound_us"] > 0
+    assert row["bound_frac"] == pytest.approx(row["bound_us"] / fused)
+    assert row["speedup_at_bound"] == pytest.approx(sep / row["bound_us"])
+    # the shared-memory barrier, timed before and after (2 ranks on this host: an engine)
+    assert doc["shm_barrier_ns"] > 0 and doc["shm_barrier_ns_end"] > 0
 
 
 def test_bench_size_parsing_and_usage():
