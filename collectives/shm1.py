@@ -63,8 +63,11 @@ def usable_cpus() -> int:
 
 
 def cap_for(n: int) -> int:
-    """Bytes per step (one slot): 256 KiB, 64 KiB with more than 16 ranks on a host."""
-    return 256 << 10 if n <= 16 else 64 << 10
+    """Bytes per step (one slot): 1 MiB with 2 ranks on a host, 256 KiB up to 16, then
+    64 KiB. Two ranks reduce half a step each, which stays in L2 at 1 MiB; the fewer
+    steps save synchronisations (2 ranks, in place, 2-4 MiB: 8-13 % faster than with
+    256 KiB steps). With 3 ranks the larger step was no faster here."""
+    return 1 << 20 if n == 2 else 256 << 10 if n <= 16 else 64 << 10
 
 
 def header_bytes(n: int) -> int:
