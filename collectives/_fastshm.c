@@ -875,9 +875,38 @@ static PyTypeObject EngineType = {
     .tp_members = Engine_members,
 };
 
+/* same_items(a, b): whether two sequences hold the very same objects, in order (the
+ * grouped_allreduce plan cache's check: 256 arrays in ~0.2 us, where Python's
+ * all(map(operator.is_, a, b)) takes ~5 us). */
+static PyObject *same_items(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    (void)mod;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "same_items(a, b)");
+        return NULL;
+    }
+    PyObject *a = PySequence_Fast(args[0], "same_items: a sequence");
+    if (a == NULL) return NULL;
+    PyObject *b = PySequence_Fast(args[1], "same_items: a sequence");
+    if (b == NULL) { Py_DECREF(a); return NULL; }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(a);
+    int same = n == PySequence_Fast_GET_SIZE(b);
+    PyObject **x = PySequence_Fast_ITEMS(a), **y = PySequence_Fast_ITEMS(b);
+    for (Py_ssize_t i = 0; same && i < n; i++)
+        same = x[i] == y[i];
+    Py_DECREF(a);
+    Py_DECREF(b);
+    return PyBool_FromLong(same);
+}
+
+static PyMethodDef module_methods[] = {
+    {"same_items", (PyCFunction)(void (*)(void))same_items, METH_FASTCALL,
+     "same_items(a, b) -> bool: the same objects, in the same order."},
+    {NULL, NULL, 0, NULL}};
+
 static struct PyModuleDef fastshm_module = {
     PyModuleDef_HEAD_INIT, "_fastshm",
-    "Compiled shared-memory allreduce and flight-recorder store (see _fastshm.c).", -1, NULL};
+    "Compiled shared-memory allreduce and flight-recorder store (see _fastshm.c).", -1,
+    module_methods};
 
 PyMODINIT_FUNC PyInit__fastshm(void) {
     if (PyType_Ready(&EngineType) < 0)

@@ -62,6 +62,11 @@ _REC_COUNT_MAX = (1 << _rec.COUNT_BITS) - 1
 _REC_TAKEN = [False]
 
 
+def _same_items(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Whether ``a`` and ``b`` hold the same objects, in order."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -141,6 +146,8 @@ class Comm:
         # the recorder's store. Its allreduce() falls back to this class's for what it
         # does not take.
         self._engine = self._engine_win = None
+        # grouped_allreduce's plan check: the same arrays, in order (compiled: ~25x faster)
+        self._same_items = _shm1.same_items if _shm1.available() else _same_items
         if _shm1.available():
             node = node_comm if self._shm is not None and self.nnodes == 1 else None
             self._engine, self._engine_win = _shm1.engine(node, Comm.allreduce.__get__(self))
@@ -938,7 +945,7 @@ class Comm:
         # array by identity: about 3x cheaper than hashing all the ids (256 arrays: 8 us).
         key = (len(arrays), id(arrays[0]), id(arrays[-1]), threshold)
         plan = self._group_plans.get(key)
-        if plan is not None and not all(map(operator.is_, arrays, plan[1])):
+        if plan is not None and not self._same_items(arrays, plan[1]):
             self._free_plan(self._group_plans.pop(key))
             plan = None
         if plan is None:

@@ -32,6 +32,12 @@ TYPE_NAMES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "u
               "float32", "float64")
 
 
+def same_items(a, b) -> bool:
+    """Whether sequences ``a`` and ``b`` hold the very same objects, in order (compiled;
+    call only when ``available()``)."""
+    return _fastshm.same_items(a, b)
+
+
 def available() -> bool:
     """Whether the compiled engine is built and not turned off (``DTRUN_COMPILED=0``)."""
     if _fastshm is None:

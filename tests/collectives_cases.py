@@ -748,6 +748,16 @@ def case_grouped(comm):
                     for a, orig in zip(work, arrays):
                         np.testing.assert_array_equal(a.reshape(-1),
                                                       _total(comm, orig.size, orig.dtype))
+            # A list with the same length, first and last array but another in the middle
+            # must not take the cached plan (which points at the old array's memory).
+            work = [a.copy() for a in arrays]
+            c.grouped_allreduce(work, fusion_threshold=4096)
+            old, work[3] = work[3], arrays[3].copy()
+            kept = old.copy()
+            c.grouped_allreduce(work, fusion_threshold=4096)
+            np.testing.assert_array_equal(work[3].reshape(-1),
+                                          _total(comm, arrays[3].size, arrays[3].dtype))
+            np.testing.assert_array_equal(old, kept)
             avg = [np.full(1000, 1.0 * comm.rank), np.full(3, 2.0 * comm.rank, np.float32),
                    np.full(700, 3.0 * comm.rank)]
             c.grouped_allreduce(avg, op="avg")
