@@ -2,7 +2,7 @@
 
 Needs root (``tests/nscluster.py`` builds 3 hosts out of network namespaces on this
 machine; they share its cores and talk over veth links, which are not a NIC, so only
-ratios mean something). For 1-64 MiB (1-16 MiB with 2 ranks per host), ``python -m collectives.bench --baseline`` runs
+ratios mean something). For 1-64 MiB, ``python -m collectives.bench --baseline`` runs
 under dtrun across the hosts, once per path forced with ``--path``, and once with the
 measured choice (``auto``):
 
@@ -30,13 +30,12 @@ OUT_DIR = REPO / "bench-results"
 BIN = Path(sys.executable).parent
 # (ranks per host, paths, largest size, rounds: ours and raw alternately, best of; calls
 # per timing). 6 ranks on this machine's 2 cores make raw MPI crawl (a 4 MiB allreduce
-# takes about 1 s: Open MPI polls while it waits), so that layout stops at 16 MiB and
-# takes one round of one call, to keep the run to a few minutes; its ratios are far from
-# 1 anyway. With 1 rank per host a call over the veth links takes a whole number of
+# takes about 1 s, 64 MiB about 20 s: Open MPI polls while it waits), so that layout takes
+# one round of one call, to keep the run to minutes; its ratios are far from 1 anyway. With 1 rank per host a call over the veth links takes a whole number of
 # ~16 ms steps (1 MiB and 4 MiB alike), so single calls flip ratios between 0.5, 1 and 2:
 # it takes the best of 5 rounds of 3 calls. BENCH_HOSTS_ROUNDS overrides the rounds.
 LAYOUTS = {"3 hosts x 1 rank": (1, ["auto", "ring"], "64M", 5, 3),
-           "3 hosts x 2 ranks": (2, ["auto", "shm+hierarchical", "ring"], "16M", 1, 1)}
+           "3 hosts x 2 ranks": (2, ["auto", "shm+hierarchical", "ring"], "64M", 1, 1)}
 
 
 def mib(n: int) -> str:
