@@ -15,7 +15,7 @@ with crossovers that move with the host (cache sizes, core count, the MPI build)
   rounds each. When the next size's predicted cost (1.5x the previous size's up to
   256 KiB, 4x above) would overrun the time budget (0.6 s on one host, 4 s across
   hosts), the candidates that were over ``PRUNE`` (2) times slower than the fastest at
-  the last two sizes are no longer timed (MPI with 6 busy-polling ranks on 2 cores takes
+  the last two sizes, or over ``PRUNE_ONE`` (3) times at the last, are no longer timed (MPI with 6 busy-polling ranks on 2 cores takes
   seconds per call); if the others still overrun it, the larger sizes are skipped and
   take the largest measured size's decision;
 * each candidate is timed in alternating rounds, each rank keeps its best round, the
@@ -70,8 +70,10 @@ HOSTS_FIRST = 4     # across hosts, sizes below BUCKETS[4] = 64 KiB are latency-
 NOT_MEASURED, EXTRAPOLATED = -2.0, -1.0  # markers in place of times
 DROPPED = -3.0      # a candidate no longer timed at this size (see PRUNE)
 PRUNE = 2.0         # when the budget would end the measurement, candidates that took over
-                    # this many times the fastest one's time at the last two sizes are
-                    # dropped instead, and the others go on to larger sizes
+                    # this many times the fastest one's time at the last two sizes ...
+PRUNE_ONE = 3.0     # ... or over this many times at the last size (across hosts only two
+                    # sizes are measured before the budget bites) are dropped instead, and
+                    # the others go on to larger sizes
 CACHE_FILE = "collectives-tuning.json"
 CACHE_ENTRIES = 32  # newest kept
 OVERLOAD = 3.0      # load average per core above which a measurement is not cached
@@ -181,7 +183,8 @@ class Table:
                     f"time budget); as at {_mib(BUCKETS[j])} {place}")
         if t_mpi == DROPPED:
             how = (f"{path} fastest; mpi not timed at this size (over {PRUNE:g}x slower at "
-                   "the two sizes before, and timing it would overrun the calibration budget)")
+                   f"the two sizes before or over {PRUNE_ONE:g}x at the one before, and timing "
+                   "it would overrun the calibration budget)")
         elif path == "mpi":
             how = "mpi was fastest"
         else:
@@ -230,7 +233,8 @@ def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
     Buckets below ``first`` are not measured (MPI's time is ``NOT_MEASURED``). When a
     bucket's predicted cost (from the previous bucket's) would overrun ``budget``, the
     candidates that took over ``PRUNE`` times the fastest one's time at both of the last
-    two buckets (both variants) are dropped (``DROPPED`` from there on) and the cost is
+    two buckets, or over ``PRUNE_ONE`` times at the last (both variants), are dropped
+    (``DROPPED`` from there on) and the cost is
     predicted again for the others: on 2 cores, 6 ranks of busy-polling MPI take seconds
     per call at 1 MiB and used to end the measurement at 256 KiB. If it still overruns,
     this and the larger buckets are not measured (``EXTRAPOLATED``: they take the decision
@@ -243,6 +247,7 @@ def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
     before = 0.0
     cost = np.zeros(len(cands))     # seconds each candidate took at the last bucket
     lost = np.zeros(len(cands), dtype=np.int64)  # buckets in a row lost by over PRUNE x
+    far = np.zeros(len(cands), dtype=bool)  # the last bucket lost by over PRUNE_ONE x
     dropped = np.zeros(len(cands), dtype=bool)
     for si in range(first, len(BUCKETS)):
         nbytes = BUCKETS[si]
@@ -256,7 +261,7 @@ def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
             share = cost[~dropped].sum() / cost.sum() if cost.sum() > 0 else 1.0
             if spent[0] + grow * last * share > budget:
                 # every rank has the same cost and lost (reduced): the same drop
-                drop = (lost >= 2) & ~dropped
+                drop = ((lost >= 2) | far) & ~dropped
                 if drop.any():
                     dropped |= drop
                     share = cost[~dropped].sum() / cost.sum() if cost.sum() > 0 else 1.0
@@ -294,8 +299,9 @@ def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
         mpi.Allreduce(MPI.IN_PLACE, cost, op=MPI.MAX)
         t = np.where(best[si] > 0, best[si], np.inf)
         fastest = t.min(axis=1, keepdims=True)
-        worse = np.all(t > PRUNE * fastest, axis=0) & np.isfinite(t).all(axis=0)
-        lost = np.where(worse, lost + 1, 0)
+        timed = np.isfinite(t).all(axis=0)
+        lost = np.where(np.all(t > PRUNE * fastest, axis=0) & timed, lost + 1, 0)
+        far = np.all(t > PRUNE_ONE * fastest, axis=0) & timed
     mpi.Allreduce(MPI.IN_PLACE, best, op=MPI.MAX)
     return best
 
