@@ -308,6 +308,8 @@ def run_collective(comm, args, op: str, timer: Timer) -> list[dict]:
             row["bound_us"] = need / rate * 1e6
             for v in ("oop", "ip"):
                 row[f"{v}_bound_frac"] = row["bound_us"] / (best[f"ours_{v}"] * 1e6)
+                if f"raw_{v}" in best:  # raw MPI's own fraction: how close it is already
+                    row[f"raw_{v}_bound_frac"] = row["bound_us"] / (best[f"raw_{v}"] * 1e6)
         factor = BUSBW_FACTOR[op](n) if n > 1 else 0.0
         for variant in ("oop", "ip"):
             wrong = -1

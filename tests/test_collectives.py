@@ -269,6 +269,23 @@ def test_bench_json_sane():
 
 
 @pytest.mark.mpi
+def test_bench_memory_bound_columns():
+    """--bound: memcpy's rate at each size, the bound under the stated accounting
+    ((2 + (p-1)/p) N bytes at 2N per copy of N) and the fraction ours and raw MPI reach."""
+    proc = launch(2, "-m", "collectives.bench", "-b", "256K", "-e", "1M", "-f", "4", "-n", "2",
+                  "-w", "1", "--baseline", "--bound", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout[proc.stdout.index("{"):])["rows"]
+    assert [r["size"] for r in rows] == [256 << 10, 1 << 20]
+    for r in rows:
+        copy_us = r["size"] / (r["memcpy_GBps"] * 1e3)      # one memcpy of N bytes
+        assert r["bound_us"] == pytest.approx(2.5 * r["size"] / (2 * r["size"] / copy_us))
+        for v in ("oop", "ip"):
+            assert r[f"{v}_bound_frac"] == pytest.approx(r["bound_us"] / r[f"{v}_time_us"])
+            assert r[f"raw_{v}_bound_frac"] == pytest.approx(r["bound_us"] / r[f"raw_{v}_time_us"])
+
+
+@pytest.mark.mpi
 def test_bench_table_columns():
     proc = launch(3, "-m", "collectives.bench", "-b", "1K", "-e", "4K", "-n", "2", "-w", "1")
     assert proc.returncode == 0, proc.stderr[-2000:]
