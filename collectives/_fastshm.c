@@ -235,6 +235,17 @@ done:
     return rc;
 }
 
+/* One synchronisation: post the next epoch and wait until every other rank posted it.
+ * Returns -1 with a Python exception set when a signal handler raised. */
+static int sync_all(Engine *e) {
+    int64_t epoch = ++e->epoch;
+    post(e, epoch);
+    for (int k = 0; k < e->n; k++)
+        if (k != e->me && wait_for(e, k, epoch) < 0)
+            return -1;
+    return 0;
+}
+
 /* ---- reduction kernels: out = a op b (elementwise, n elements) ---- */
 #define SUMX(x, y) ((x) + (y))
 #define PRODX(x, y) ((x) * (y))
@@ -301,13 +312,9 @@ static int run(Engine *e, const char *src, char *dst, Py_ssize_t count, int type
     for (Py_ssize_t start = 0; start < count; start += per) {
         Py_ssize_t m = count - start < per ? count - start : per;
         int par = (int)(e->step++ & 1);
-        int64_t epoch = ++e->epoch;
         memcpy(slot(e, e->me, par), src + start * isz, m * isz);
-        post(e, epoch);
-        for (int k = 0; k < e->n; k++) {
-            if (k != e->me && wait_for(e, k, epoch) < 0)
-                return -1;
-        }
+        if (sync_all(e) < 0)
+            return -1;
         char *o = dst + start * isz;
         first(o, slot(e, 0, par), slot(e, 1, par), m);
         for (int k = 2; k < e->n; k++)
@@ -328,14 +335,22 @@ static int run(Engine *e, const char *src, char *dst, Py_ssize_t count, int type
  * across cores. */
 typedef struct { char *src, *dst; Py_ssize_t len; } seg_t;
 
+/* The index of the segment holding stream offset ``off``, looked for from ``*hint``
+ * (offsets only grow within a phase), which it updates. */
+static Py_ssize_t seg_at(const Py_ssize_t *starts, Py_ssize_t nseg, Py_ssize_t *hint,
+                         Py_ssize_t off) {
+    Py_ssize_t i = *hint;
+    while (i > 0 && starts[i] > off) i--;
+    while (i + 1 < nseg && starts[i + 1] <= off) i++;
+    return *hint = i;
+}
+
 /* Copy ``len`` bytes of the stream at offset ``off`` out of (to_stream=0: from src) or
  * into (to_stream=1: to dst) the segments, from/to ``flat``. ``*hint``: the segment
  * index to start looking from (offsets only grow within a phase). */
 static void stream_copy(const seg_t *segs, Py_ssize_t nseg, const Py_ssize_t *starts,
                         Py_ssize_t *hint, Py_ssize_t off, char *flat, Py_ssize_t len, int to_stream) {
-    Py_ssize_t i = *hint;
-    while (i > 0 && starts[i] > off) i--;
-    while (i + 1 < nseg && starts[i + 1] <= off) i++;
+    Py_ssize_t i = seg_at(starts, nseg, hint, off);
     while (len > 0 && i < nseg) {
         Py_ssize_t in = off - starts[i];
         Py_ssize_t take = segs[i].len - in;
@@ -354,10 +369,7 @@ static void stream_copy(const seg_t *segs, Py_ssize_t nseg, const Py_ssize_t *st
  * all, else gathered into ``tmp``. */
 static const char *stream_src(const seg_t *segs, Py_ssize_t nseg, const Py_ssize_t *starts,
                               Py_ssize_t *hint, Py_ssize_t off, Py_ssize_t len, char *tmp) {
-    Py_ssize_t i = *hint;
-    while (i > 0 && starts[i] > off) i--;
-    while (i + 1 < nseg && starts[i + 1] <= off) i++;
-    *hint = i;
+    Py_ssize_t i = seg_at(starts, nseg, hint, off);
     if (off - starts[i] + len <= segs[i].len)
         return segs[i].src + (off - starts[i]);
     stream_copy(segs, nseg, starts, hint, off, tmp, len, 0);
@@ -367,11 +379,17 @@ static const char *stream_src(const seg_t *segs, Py_ssize_t nseg, const Py_ssize
 /* Bytes of the stream from offset ``off`` to the end of the segment holding it. */
 static Py_ssize_t seg_rest(const seg_t *segs, Py_ssize_t nseg, const Py_ssize_t *starts,
                            Py_ssize_t *hint, Py_ssize_t off) {
-    Py_ssize_t i = *hint;
-    while (i > 0 && starts[i] > off) i--;
-    while (i + 1 < nseg && starts[i + 1] <= off) i++;
-    *hint = i;
+    Py_ssize_t i = seg_at(starts, nseg, hint, off);
     return starts[i] + segs[i].len - off;
+}
+
+/* Bytes [*lo, *hi) of an m-byte step that rank q reduces: whole units, clipped to m. */
+static void slice_of(Py_ssize_t units, Py_ssize_t unit, Py_ssize_t m, int q, int n,
+                     Py_ssize_t *lo, Py_ssize_t *hi) {
+    *lo = units * q / n * unit;
+    *hi = units * (q + 1) / n * unit;
+    if (*lo > m) *lo = m;
+    if (*hi > m) *hi = m;
 }
 
 #define BLOCK 8192  /* bytes reduced at a time in phase 2 (stays in L1) */
@@ -397,20 +415,15 @@ static int run2(Engine *e, const seg_t *segs, Py_ssize_t nseg, int type, int op)
         /* (1) the others' slices of this rank's data into its slot */
         for (int q = 0; q < n; q++) {
             if (q == me) continue;
-            Py_ssize_t lo = units * q / n * unit, hi = units * (q + 1) / n * unit;
-            if (lo > m) lo = m;
-            if (hi > m) hi = m;
+            Py_ssize_t lo, hi;
+            slice_of(units, unit, m, q, n, &lo, &hi);
             if (hi > lo)
                 stream_copy(segs, nseg, starts, &hint, start + lo, slot(e, me, par) + lo, hi - lo, 0);
         }
-        int64_t epoch = ++e->epoch;
-        post(e, epoch);
-        for (int k = 0; k < n; k++)
-            if (k != me && wait_for(e, k, epoch) < 0) { rc = -1; goto out; }
+        if (sync_all(e) < 0) { rc = -1; goto out; }
         /* (2) this rank's slice */
-        Py_ssize_t lo = units * me / n * unit, hi = units * (me + 1) / n * unit;
-        if (lo > m) lo = m;
-        if (hi > m) hi = m;
+        Py_ssize_t lo, hi;
+        slice_of(units, unit, m, me, n, &lo, &hi);
         hint = 0;
         Py_ssize_t whint = 0;
         for (Py_ssize_t b = lo, len; b < hi; b += len) {
@@ -431,17 +444,13 @@ static int run2(Engine *e, const seg_t *segs, Py_ssize_t nseg, int type, int op)
             memcpy(slot(e, me, par) + b, accbuf, len);
             stream_copy(segs, nseg, starts, &whint, start + b, accbuf, len, 1);
         }
-        epoch = ++e->epoch;
-        post(e, epoch);
-        for (int k = 0; k < n; k++)
-            if (k != me && wait_for(e, k, epoch) < 0) { rc = -1; goto out; }
+        if (sync_all(e) < 0) { rc = -1; goto out; }
         /* (3) the other slices' results */
         hint = 0;
         for (int q = 0; q < n; q++) {
             if (q == me) continue;
-            Py_ssize_t qlo = units * q / n * unit, qhi = units * (q + 1) / n * unit;
-            if (qlo > m) qlo = m;
-            if (qhi > m) qhi = m;
+            Py_ssize_t qlo, qhi;
+            slice_of(units, unit, m, q, n, &qlo, &qhi);
             if (qhi > qlo)
                 stream_copy(segs, nseg, starts, &hint, start + qlo, slot(e, q, par) + qlo, qhi - qlo, 1);
         }
@@ -818,12 +827,8 @@ static PyObject *Engine_barrier_ns(Engine *e, PyObject *arg) {
     if (iters == -1 && PyErr_Occurred()) return NULL;
     if (iters < 1 || e->n < 2) return PyFloat_FromDouble(0.0);
     long t0 = now_ns();
-    for (long i = 0; i < iters; i++) {
-        int64_t epoch = ++e->epoch;
-        post(e, epoch);
-        for (int k = 0; k < e->n; k++)
-            if (k != e->me && wait_for(e, k, epoch) < 0) return NULL;
-    }
+    for (long i = 0; i < iters; i++)
+        if (sync_all(e) < 0) return NULL;
     return PyFloat_FromDouble((double)(now_ns() - t0) / iters);
 }
 

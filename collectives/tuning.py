@@ -262,18 +262,18 @@ def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
         grow = 4 if nbytes > 256 << 10 else 1.5
         if si > first:
             last = spent[0] - before
-            share = cost[~dropped].sum() / cost.sum() if cost.sum() > 0 else 1.0
-            if spent[0] - grace + grow * last * share > budget:
+            # the kept candidates' share of the last bucket's cost
+            share = lambda: cost[~dropped].sum() / cost.sum() if cost.sum() > 0 else 1.0  # noqa: E731
+            if spent[0] - grace + grow * last * share() > budget:
                 # every rank has the same cost and lost (reduced): the same drop
                 drop = ((lost >= 2) | far) & ~dropped
                 if drop.any():
                     dropped |= drop
-                    share = cost[~dropped].sum() / cost.sum() if cost.sum() > 0 else 1.0
                     if grace == 0.0:
                         # The first drop gives the others a budget of their own (the
                         # dropped one may have spent it all): at most twice the budget.
                         grace = float(spent[0])
-            if spent[0] - grace + grow * last * share > budget:
+            if spent[0] - grace + grow * last * share() > budget:
                 best[si:, :, 0] = EXTRAPOLATED
                 break
         best[si:, :, dropped] = DROPPED
