@@ -16,10 +16,10 @@ with crossovers that move with the host (cache sizes, core count, the MPI build)
   256 KiB, 4x above) would overrun the time budget (0.6 s on one host, 4 s across
   hosts), the candidates that were over ``PRUNE`` (2) times slower than the fastest at
   the last two sizes, or over ``PRUNE_ONE`` (3) times at the last, are no longer
-  timed (MPI with 6 busy-polling ranks on 2 cores takes seconds per call) and the
-  others get a budget of their own from there (at most twice the budget in all); if
-  they still overrun it, the larger sizes are skipped and take the largest measured
-  size's decision;
+  timed (MPI with 6 busy-polling ranks on 2 cores takes seconds per call); if the
+  others still overrun it, the larger sizes are skipped and take the largest measured
+  size's decision. The budget bounds the whole measurement, which runs at communicator
+  creation, where a job's ``--hang-timeout`` sees no progress;
 * each candidate is timed in alternating rounds, each rank keeps its best round, the
   slowest rank's time counts (an allreduce is as slow as its slowest rank);
 * rank 0 decides (fastest candidate; MPI on a tie: another path must take under 97 % of
@@ -236,10 +236,9 @@ def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
     bucket's predicted cost (from the previous bucket's) would overrun ``budget``, the
     candidates that took over ``PRUNE`` times the fastest one's time at both of the last
     two buckets, or over ``PRUNE_ONE`` times at the last (both variants), are dropped
-    (``DROPPED`` from there on) and the cost is predicted again for the others, which
-    from the first drop on get a budget of their own (so the whole measurement takes at
-    most about twice ``budget``): on 2 cores, 6 ranks of busy-polling MPI take seconds
-    per call at 1 MiB and used to end the measurement at 256 KiB. If it still overruns,
+    (``DROPPED`` from there on) and the cost is predicted again for the others: on 2
+    cores, 6 ranks of busy-polling MPI take seconds per call at 1 MiB. If it still
+    overruns (the budget is the whole measurement's),
     this and the larger buckets are not measured (``EXTRAPOLATED``: they take the decision
     of the largest measured size). ``rounds``: timed rounds up to 64 KiB, and above.
     """
@@ -252,7 +251,6 @@ def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
     lost = np.zeros(len(cands), dtype=np.int64)  # buckets in a row lost by over PRUNE x
     far = np.zeros(len(cands), dtype=bool)  # the last bucket lost by over PRUNE_ONE x
     dropped = np.zeros(len(cands), dtype=bool)
-    grace = 0.0                     # seconds spent before the first drop (see below)
     for si in range(first, len(BUCKETS)):
         nbytes = BUCKETS[si]
         spent[0] = time.perf_counter() - start
@@ -264,16 +262,12 @@ def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
             last = spent[0] - before
             # the kept candidates' share of the last bucket's cost
             share = lambda: cost[~dropped].sum() / cost.sum() if cost.sum() > 0 else 1.0  # noqa: E731
-            if spent[0] - grace + grow * last * share() > budget:
+            if spent[0] + grow * last * share() > budget:
                 # every rank has the same cost and lost (reduced): the same drop
-                drop = ((lost >= 2) | far) & ~dropped
-                if drop.any():
-                    dropped |= drop
-                    if grace == 0.0:
-                        # The first drop gives the others a budget of their own (the
-                        # dropped one may have spent it all): at most twice the budget.
-                        grace = float(spent[0])
-            if spent[0] - grace + grow * last * share() > budget:
+                dropped |= ((lost >= 2) | far)
+            # The budget stays the whole measurement's: it runs at communicator creation,
+            # where a job's --hang-timeout sees no progress.
+            if spent[0] + grow * last * share() > budget:
                 best[si:, :, 0] = EXTRAPOLATED
                 break
         best[si:, :, dropped] = DROPPED

@@ -449,12 +449,16 @@ def test_calibration_drops_a_far_slower_candidate_rather_than_stop():
     assert "ring fastest; mpi not timed at this size" in why and "over 2x slower" in why \
         and "over 3x at the one before" in why
     # Measured from 4 MiB only (as across hosts, where small sizes are not timed): one
-    # size lost by over 3x is enough; and mpi alone spent the whole budget there (4 calls
-    # of 42 ms), so the ring goes on with a budget of its own.
+    # size lost by over 3x is enough.
     times = tuning.measure(MPI.COMM_SELF, cands, _fake_costs({"mpi": 1e-8, "ring": 1e-10}),
-                           first=7, rounds=(1, 1), budget=0.1)
+                           first=7, rounds=(1, 1), budget=0.5)
     assert (times[7, :, 0] > 0).all() and (times[last, :, 0] == tuning.DROPPED).all()
     assert (times[last, :, 1] > 0).all()
+    # When one candidate alone spent the budget (4 calls of 42 ms at 4 MiB), the
+    # measurement ends there: the budget bounds the whole of it.
+    times = tuning.measure(MPI.COMM_SELF, cands, _fake_costs({"mpi": 1e-8, "ring": 1e-10}),
+                           first=7, rounds=(1, 1), budget=0.1)
+    assert times[last, 0, 0] == tuning.EXTRAPOLATED
     # Two candidates within 2x of each other: nothing is dropped, and the sizes the budget
     # does not reach take the last measured size's decision, as before.
     times = tuning.measure(MPI.COMM_SELF, cands, _fake_costs({"mpi": 1e-8, "ring": 0.7e-8}),
