@@ -12,14 +12,9 @@ with crossovers that move with the host (cache sizes, core count, the MPI build)
 * sizes: ``BUCKETS`` (256 B to 16 MiB, factor 4), out of place and in place; a size
   takes the decision of the largest bucket not above it (below 256 B the 256 B one).
   Across hosts from 64 KiB only (smaller sizes are latency-bound: MPI), two timed
-  rounds each. When the next size's predicted cost (1.5x the previous size's up to
-  256 KiB, 4x above) would overrun the time budget (0.6 s on one host, 4 s across
-  hosts), the candidates that were over ``PRUNE`` (2) times slower than the fastest at
-  the last two sizes, or over ``PRUNE_ONE`` (3) times at the last, are no longer
-  timed (MPI with 6 busy-polling ranks on 2 cores takes seconds per call); if the
-  others still overrun it, the larger sizes are skipped and take the largest measured
-  size's decision. The budget bounds the whole measurement, which runs at communicator
-  creation, where a job's ``--hang-timeout`` sees no progress;
+  rounds each. Larger sizes are skipped once their predicted cost (1.5x the previous
+  size's up to 256 KiB, 4x above) would overrun the time budget (0.6 s on one host,
+  4 s across hosts), and take the largest measured size's decision;
 * each candidate is timed in alternating rounds, each rank keeps its best round, the
   slowest rank's time counts (an allreduce is as slow as its slowest rank);
 * rank 0 decides (fastest candidate; MPI on a tie: another path must take under 97 % of
@@ -55,7 +50,7 @@ import numpy as np
 from . import cache
 from ._mpi import MPI
 
-VERSION = 6
+VERSION = 5
 PATHS = ("mpi", "shm1", "shm2", "shm", "shm+hierarchical", "shm+ring", "ring")
 BUCKETS = tuple(256 * 4 ** i for i in range(9))  # 256 B .. 16 MiB
 CHUNKS = (128 << 10, 512 << 10, 2 << 20)
@@ -70,12 +65,6 @@ BUDGET_S = 0.6      # past this, larger sizes take the decision of the largest m
 HOSTS_BUDGET_S = 4.0  # the same across hosts (slower networks, more candidates)
 HOSTS_FIRST = 4     # across hosts, sizes below BUCKETS[4] = 64 KiB are latency-bound: MPI
 NOT_MEASURED, EXTRAPOLATED = -2.0, -1.0  # markers in place of times
-DROPPED = -3.0      # a candidate no longer timed at this size (see PRUNE)
-PRUNE = 2.0         # when the budget would end the measurement, candidates that took over
-                    # this many times the fastest one's time at the last two sizes ...
-PRUNE_ONE = 3.0     # ... or over this many times at the last size (across hosts only two
-                    # sizes are measured before the budget bites) are dropped instead, and
-                    # the others go on to larger sizes
 CACHE_FILE = "collectives-tuning.json"
 CACHE_ENTRIES = 32  # newest kept
 OVERLOAD = 3.0      # load average per core above which a measurement is not cached
@@ -183,11 +172,7 @@ class Table:
             j = max(k for k in range(i) if self.rows[1 if inplace else 0][k][2] != EXTRAPOLATED)
             return (f"{what}: {self.source}: not measured at {_mib(BUCKETS[i])} (calibration "
                     f"time budget); as at {_mib(BUCKETS[j])} {place}")
-        if t_mpi == DROPPED:
-            how = (f"{path} fastest; mpi not timed at this size (over {PRUNE:g}x slower at "
-                   f"the two sizes before or over {PRUNE_ONE:g}x at the one before, and timing "
-                   "it would overrun the calibration budget)")
-        elif path == "mpi":
+        if path == "mpi":
             how = "mpi was fastest"
         else:
             how = f"{path} {t_mpi / t:.2f}x mpi" if t > 0 and t_mpi > 0 else path
@@ -232,25 +217,16 @@ def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
     """Seconds per call, shape (len(BUCKETS), 2 [out of place, in place], len(cands)):
     each rank's best round, then the maximum over ranks (inf: not applicable).
 
-    Buckets below ``first`` are not measured (MPI's time is ``NOT_MEASURED``). When a
-    bucket's predicted cost (from the previous bucket's) would overrun ``budget``, the
-    candidates that took over ``PRUNE`` times the fastest one's time at both of the last
-    two buckets, or over ``PRUNE_ONE`` times at the last (both variants), are dropped
-    (``DROPPED`` from there on) and the cost is predicted again for the others: on 2
-    cores, 6 ranks of busy-polling MPI take seconds per call at 1 MiB. If it still
-    overruns (the budget is the whole measurement's),
-    this and the larger buckets are not measured (``EXTRAPOLATED``: they take the decision
-    of the largest measured size). ``rounds``: timed rounds up to 64 KiB, and above.
+    Buckets below ``first`` are not measured (MPI's time is ``NOT_MEASURED``); buckets
+    whose predicted cost (from the previous bucket's) would overrun ``budget`` are not
+    either (``EXTRAPOLATED``: they take the decision of the largest measured size).
+    ``rounds``: timed rounds up to 64 KiB, and above.
     """
     best = np.full((len(BUCKETS), 2, len(cands)), np.inf)
     best[:first, :, 0] = NOT_MEASURED
     start = time.perf_counter()
     spent = np.zeros(1)
     before = 0.0
-    cost = np.zeros(len(cands))     # seconds each candidate took at the last bucket
-    lost = np.zeros(len(cands), dtype=np.int64)  # buckets in a row lost by over PRUNE x
-    far = np.zeros(len(cands), dtype=bool)  # the last bucket lost by over PRUNE_ONE x
-    dropped = np.zeros(len(cands), dtype=bool)
     for si in range(first, len(BUCKETS)):
         nbytes = BUCKETS[si]
         spent[0] = time.perf_counter() - start
@@ -258,27 +234,16 @@ def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
         # The next size's cost, from the last one's: 4x where bandwidth-bound, latency
         # dominates below 256 KiB (where a busy host's stalls also make the last one noisy).
         grow = 4 if nbytes > 256 << 10 else 1.5
-        if si > first:
-            last = spent[0] - before
-            # the kept candidates' share of the last bucket's cost
-            share = lambda: cost[~dropped].sum() / cost.sum() if cost.sum() > 0 else 1.0  # noqa: E731
-            if spent[0] + grow * last * share() > budget:
-                # every rank has the same cost and lost (reduced): the same drop
-                dropped |= ((lost >= 2) | far)
-            # The budget stays the whole measurement's: it runs at communicator creation,
-            # where a job's --hang-timeout sees no progress.
-            if spent[0] + grow * last * share() > budget:
-                best[si:, :, 0] = EXTRAPOLATED
-                break
-        best[si:, :, dropped] = DROPPED
+        if si > first and spent[0] + grow * (spent[0] - before) > budget:
+            best[si:, :, 0] = EXTRAPOLATED
+            break
         before = float(spent[0])
-        cost[:] = 0.0
         x = np.zeros(nbytes // 4, dtype=np.float32)  # zeros: sums stay finite however often
         y = np.zeros_like(x)
         iters = np.ones((2, len(cands)), dtype=np.int64)
         for rnd in range((rounds[0] if nbytes <= 64 << 10 else rounds[1]) + 1):
             for ci, cand in enumerate(cands):
-                if dropped[ci] or not applies(cand, nbytes):
+                if not applies(cand, nbytes):
                     continue
                 for ip in (0, 1):
                     src = y if ip else x
@@ -287,9 +252,7 @@ def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
                     t0 = time.perf_counter()
                     for _ in range(n):
                         run(cand, src, y, bool(ip))
-                    t1 = time.perf_counter()
-                    dt = (t1 - t0) / n
-                    cost[ci] += t1 - t0
+                    dt = (time.perf_counter() - t0) / n
                     if rnd == 0:
                         # Warm-up round: size the timed rounds (same count on all ranks).
                         iters[ip, ci] = max(1, min(200, int(ROUND_MIN_S / max(dt, 1e-7))))
@@ -297,13 +260,6 @@ def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
                         best[si, ip, ci] = min(best[si, ip, ci], dt)
             if rnd == 0:
                 mpi.Allreduce(MPI.IN_PLACE, iters, op=MPI.MAX)
-        mpi.Allreduce(MPI.IN_PLACE, best[si], op=MPI.MAX)
-        mpi.Allreduce(MPI.IN_PLACE, cost, op=MPI.MAX)
-        t = np.where(best[si] > 0, best[si], np.inf)
-        fastest = t.min(axis=1, keepdims=True)
-        timed = np.isfinite(t).all(axis=0)
-        lost = np.where(np.all(t > PRUNE * fastest, axis=0) & timed, lost + 1, 0)
-        far = np.all(t > PRUNE_ONE * fastest, axis=0) & timed
     mpi.Allreduce(MPI.IN_PLACE, best, op=MPI.MAX)
     return best
 
@@ -320,19 +276,14 @@ def decide(times: np.ndarray, cands: list[tuple[str, int]],
             if t[0] == NOT_MEASURED:
                 rows[ip].append(("mpi", 0, NOT_MEASURED, NOT_MEASURED))
                 continue
-            if t[0] == EXTRAPOLATED:  # not measured (calibration budget): as the size below
-                rows[ip].append(rows[ip][-1][:2] + (EXTRAPOLATED, EXTRAPOLATED))
-                continue
-            mpi_dropped = t[0] == DROPPED
-            t[t == DROPPED] = np.inf
-            if mpi_dropped and not np.isfinite(t).any():  # nothing timed here: as below
+            if t[0] < 0:  # not measured (calibration budget): as the size below
                 rows[ip].append(rows[ip][-1][:2] + (EXTRAPOLATED, EXTRAPOLATED))
                 continue
             k = int(np.argmin(t))
-            if not mpi_dropped and not t[k] < margin * t[0]:
+            if not t[k] < margin * t[0]:
                 k = 0
             path, chunk = cands[k]
-            rows[ip].append((path, int(chunk), float(t[k]), DROPPED if mpi_dropped else float(t[0])))
+            rows[ip].append((path, int(chunk), float(t[k]), float(t[0])))
     return rows
 
 
@@ -344,8 +295,7 @@ def _valid_rows(rows, cands: list[tuple[str, int]]) -> bool:
         for v in rows:
             for path, chunk, t, t_mpi in v:
                 if (path, chunk) not in allowed or \
-                        not ((t >= 0 and (t_mpi >= 0 or t_mpi == DROPPED)) or
-                             t == t_mpi in (NOT_MEASURED, EXTRAPOLATED)):
+                        not (t >= 0 or t == t_mpi in (NOT_MEASURED, EXTRAPOLATED)):
                     return False
         return True
     except (TypeError, ValueError):

@@ -415,58 +415,6 @@ def test_path_table_decides_fastest_and_mpi_on_ties():
     assert [r[0] for r in rows[0][4:8]] == ["mpi", "mpi", "shm", "shm"]
 
 
-def _fake_costs(per_byte: dict):
-    """A ``run`` for tuning.measure whose calls take (1 us + size x per_byte[path]) s, busy."""
-    import time
-
-    def run(cand, src, dst, inplace):
-        end = time.perf_counter() + 1e-6 + src.nbytes * per_byte[cand[0]]
-        while time.perf_counter() < end:
-            pass
-    return run
-
-
-def test_calibration_drops_a_far_slower_candidate_rather_than_stop():
-    """With the budget about to run out, a candidate over PRUNE x slower at the two sizes
-    before is no longer timed, and the others go on to the largest size (measured on one
-    process: COMM_SELF, calls that take a set time)."""
-    import numpy as np
-
-    from collectives import tuning
-    from collectives._mpi import MPI
-    cands = [("mpi", 0), ("ring", 0)]
-    # mpi 10 ns per byte (16 MiB: 0.17 s a call), ring 0.1 ns per byte
-    times = tuning.measure(MPI.COMM_SELF, cands, _fake_costs({"mpi": 1e-8, "ring": 1e-10}),
-                           rounds=(1, 1), budget=0.5)
-    last = len(tuning.BUCKETS) - 1
-    assert (times[last, :, 0] == tuning.DROPPED).all()      # mpi not timed at 16 MiB ...
-    assert np.isfinite(times[last, :, 1]).all() and (times[last, :, 1] > 0).all()  # ring was
-    assert (times[0, :, 0] > 0).all()                        # mpi timed where it was cheap
-    rows = tuning.decide(times, cands)
-    assert rows[0][last][:2] == ("ring", 0) and rows[0][last][3] == tuning.DROPPED
-    assert tuning._valid_rows(rows, cands)
-    why = tuning.Table(rows, "test").explain(16 << 20)
-    assert "ring fastest; mpi not timed at this size" in why and "over 2x slower" in why \
-        and "over 3x at the one before" in why
-    # Measured from 4 MiB only (as across hosts, where small sizes are not timed): one
-    # size lost by over 3x is enough.
-    times = tuning.measure(MPI.COMM_SELF, cands, _fake_costs({"mpi": 1e-8, "ring": 1e-10}),
-                           first=7, rounds=(1, 1), budget=0.5)
-    assert (times[7, :, 0] > 0).all() and (times[last, :, 0] == tuning.DROPPED).all()
-    assert (times[last, :, 1] > 0).all()
-    # When one candidate alone spent the budget (4 calls of 42 ms at 4 MiB), the
-    # measurement ends there: the budget bounds the whole of it.
-    times = tuning.measure(MPI.COMM_SELF, cands, _fake_costs({"mpi": 1e-8, "ring": 1e-10}),
-                           first=7, rounds=(1, 1), budget=0.1)
-    assert times[last, 0, 0] == tuning.EXTRAPOLATED
-    # Two candidates within 2x of each other: nothing is dropped, and the sizes the budget
-    # does not reach take the last measured size's decision, as before.
-    times = tuning.measure(MPI.COMM_SELF, cands, _fake_costs({"mpi": 1e-8, "ring": 0.7e-8}),
-                           rounds=(1, 1), budget=0.5)
-    assert not (times == tuning.DROPPED).any()
-    assert times[last, 0, 0] == tuning.EXTRAPOLATED
-
-
 def test_fixed_rule_table():
     from collectives import tuning
     t = tuning.Table.fixed("shm", 1 << 20, 64 << 10, "env DTRUN_SHM_THRESHOLD=1M")
