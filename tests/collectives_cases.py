@@ -497,47 +497,51 @@ def case_path_cache_corrupt(comm):
     """A cache file that does not parse, or an entry that does not fit, is discarded and
     measured again; the rewritten file parses."""
     import json
+    import shutil
     import tempfile
 
     from collectives import cache, tuning
     tmp = tempfile.mkdtemp(prefix="dtrun-tune-")
-    cands = [("mpi", 0)] + ([("shm", tuning.CHUNKS[0])] if comm.local_size > 1 else [])
+    try:
+        cands = [("mpi", 0)] + ([("shm", tuning.CHUNKS[0])] if comm.local_size > 1 else [])
 
-    def measured(content, max_load="1e9"):
-        path = os.path.join(tmp, "dtrun", tuning.CACHE_FILE)
-        if comm.rank == 0:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w") as f:
-                f.write(content)
-        comm.barrier()
-        table = _with_env(
-            {"XDG_CACHE_HOME": tmp, "DTRUN_TUNE_MAX_LOAD": max_load},
-            lambda: tuning.calibrated(comm.mpi, comm.host, comm.local_size, comm.nnodes,
-                                      cands, comm._calibration_run))
-        ok = np.array([1], np.int64)
-        if comm.rank == 0:
-            doc = cache.load(cache.Path(path))
-            ok[0] = int(len(doc) == 1 and tuning._valid_rows(next(iter(doc.values()))["rows"],
-                                                             cands))
-        comm.mpi.Bcast(ok, root=0)
-        return table, bool(ok[0])
+        def measured(content, max_load="1e9"):
+            path = os.path.join(tmp, "dtrun", tuning.CACHE_FILE)
+            if comm.rank == 0:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w") as f:
+                    f.write(content)
+            comm.barrier()
+            table = _with_env(
+                {"XDG_CACHE_HOME": tmp, "DTRUN_TUNE_MAX_LOAD": max_load},
+                lambda: tuning.calibrated(comm.mpi, comm.host, comm.local_size, comm.nnodes,
+                                          cands, comm._calibration_run))
+            ok = np.array([1], np.int64)
+            if comm.rank == 0:
+                doc = cache.load(cache.Path(path))
+                ok[0] = int(len(doc) == 1 and tuning._valid_rows(next(iter(doc.values()))["rows"],
+                                                                 cands))
+            comm.mpi.Bcast(ok, root=0)
+            return table, bool(ok[0])
 
-    for junk in ("{not json", "[1, 2, 3]", "\x00\xff garbage"):
-        table, ok = measured(junk)
-        assert "(now," in table.source and ok, (junk, table.source)
-    # An entry under the right key with rows that do not fit: discarded too.
-    hosts = tuning._hosts(comm.mpi, comm.host)
-    key = tuning.cache_key(hosts, comm.local_size, comm.nnodes, cands)
-    bad = {key: {"rows": [[["warp", 0, 1.0, 1.0]] * len(tuning.BUCKETS)] * 2, "when": "x"}}
-    table, ok = measured(json.dumps(bad))
-    assert "(now," in table.source and ok
-    # A good entry is used as it is.
-    table, ok = measured(open(os.path.join(tmp, "dtrun", tuning.CACHE_FILE)).read()
-                         if comm.rank == 0 else "")
-    assert "(cached," in table.source and ok
-    # Measured on an overloaded host (every load exceeds -1 x cores): used, not written.
-    table, ok = measured("{}", max_load="-1")
-    assert "not cached: load" in table.source and not ok
+        for junk in ("{not json", "[1, 2, 3]", "\x00\xff garbage"):
+            table, ok = measured(junk)
+            assert "(now," in table.source and ok, (junk, table.source)
+        # An entry under the right key with rows that do not fit: discarded too.
+        hosts = tuning._hosts(comm.mpi, comm.host)
+        key = tuning.cache_key(hosts, comm.local_size, comm.nnodes, cands)
+        bad = {key: {"rows": [[["warp", 0, 1.0, 1.0]] * len(tuning.BUCKETS)] * 2, "when": "x"}}
+        table, ok = measured(json.dumps(bad))
+        assert "(now," in table.source and ok
+        # A good entry is used as it is.
+        table, ok = measured(open(os.path.join(tmp, "dtrun", tuning.CACHE_FILE)).read()
+                             if comm.rank == 0 else "")
+        assert "(cached," in table.source and ok
+        # Measured on an overloaded host (every load exceeds -1 x cores): used, not written.
+        table, ok = measured("{}", max_load="-1")
+        assert "not cached: load" in table.source and not ok
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def case_soft_floats(comm):
