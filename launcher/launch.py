@@ -394,6 +394,13 @@ def _launch(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Pre
     if spec.log_dir:
         start_log_dir(spec.log_dir)
     argv = [a for g in groups for a in g.args]
+    # Open MPI 5 refuses to start an mpirun or daemon whose pid a killed job's session
+    # directory still names (launcher/sessiondirs.py): clear this host's before and after.
+    sweep = flavor.is_openmpi and flavor.major >= 5 and choice.launcher != "srun"
+    if sweep:
+        from launcher import sessiondirs
+
+        sessiondirs.sweep()
     monitor = None
     if job_dir is not None:
         from launcher import jobstate
@@ -418,6 +425,16 @@ def _launch(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Pre
         # A signal leaves little time (dtrun exits within about 5 s of SIGTERM); a time limit
         # or --on-hang abort more.
         monitor.kill_leftovers(budget=1.5 if result.interrupted else 5.0)
+    if sweep:
+        removed = sessiondirs.sweep()
+        if result.pmix_refused:
+            result.notes.append(
+                f"Open MPI's PMIx would not start on {result.pmix_refused} and no rank started: the usual cause is "
+                "a session directory that a killed job left in that host's temporary directory (ompi.PID, prted.PID) "
+                "naming the pid the new mpirun or daemon was given, which PMIx 5.0 does not reclaim. dtrun removes "
+                "such directories on this machine at every launch" + (f" ({len(removed)} just now)" if removed else "")
+                + " and each host's rank wrapper removes them during every job: run the job again (a new daemon "
+                "gets a new pid)")
     if choice.launcher == "srun":
         result.returncode = slurm.srun_exit_code(result)
     ended = ended_state(choice.allocation.job_id) if choice.allocation and not result.interrupted else None

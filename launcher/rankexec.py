@@ -54,6 +54,14 @@ _PY_FLAGS_NOARG = set("bBdEhiIOqsSuvx")
 _PY_FLAGS_ARG = {"-W", "-X", "--check-hash-based-pycs"}
 
 
+def _sweep_sessions():
+    try:
+        import sessiondirs
+        sessiondirs.sweep()
+    except Exception:  # tidying must never disturb the rank
+        pass
+
+
 def _slurm_step_vars(environ):
     """(rank, local rank, size, local size) of a task srun started itself, or None.
 
@@ -267,6 +275,10 @@ def main(argv=None):
         exited.set()
 
     threading.Thread(target=watch, daemon=True).start()
+    if env.get("DTRUN_LOCAL_RANK") == "0" and "PMIX_NAMESPACE" in env:
+        # Open MPI: remove what killed jobs left on this host, so that no later daemon here
+        # is refused for a pid a stale session directory names (launcher/sessiondirs.py).
+        threading.Thread(target=_sweep_sessions, daemon=True).start()
     while not exited.wait(1.0):
         # The launcher's daemon died (killed, OOM): stop the rank rather than leave it running.
         if orphaned_at is None and os.getppid() != parent:

@@ -121,6 +121,7 @@ class JobResult:
     hung: bool = False  # --on-hang abort stopped the job (launcher/hangwatch.py)
     forced: bool = False  # mpirun did not stop in time: its session on this host was killed
     stopped: bool = False  # dtrun stopped the job (a signal, a time limit, a failed rank, --on-hang abort)
+    pmix_refused: Optional[str] = None  # where PMIx 5.0 refused to start (a stale session dir: launcher/sessiondirs.py)
 
     @property
     def how_stopped(self) -> str:
@@ -224,6 +225,22 @@ def expected_hosts(hosts: Sequence, np: int) -> list[str]:
     return [order[r % len(order)] for r in range(np)]
 
 
+# What is printed when PMIx 5.0 will not start because a stale session directory holds its
+# rendezvous file's name (launcher/sessiondirs.py): mpirun's own refusal on stderr; for a
+# remote daemon, only mpirun's report of its exit status 213 (on stdout).
+PMIX_LISTENER_FAILED = "PMIx server's listener thread failed to start"
+_DAEMON_213_RE = re.compile(r"Remote host:\s+(\S+)\s*\n\s*Daemon exit status:\s*213\b")
+PMIX_SCAN_BYTES = 64 << 10
+
+
+def pmix_refusal(text: str) -> Optional[str]:
+    """Where PMIx refused to start, from mpirun's output: the remote host, "this machine", or None."""
+    m = _DAEMON_213_RE.search(text)
+    if m:
+        return m.group(1)
+    return "this machine" if PMIX_LISTENER_FAILED in text else None
+
+
 class _Pumps:
     """mpirun's stdout and stderr, copied to dtrun's own: the one place output flows through."""
 
@@ -234,6 +251,8 @@ class _Pumps:
         self.ompi_report: list[str] = []
         self.stderr_tail: collections.deque = collections.deque(maxlen=200)
         self.eof_ranks: set = set()  # ranks whose end-of-output marker arrived
+        self.stdout_head: list[str] = []  # the first PMIX_SCAN_BYTES (mpirun's reports about daemons)
+        self._stdout_seen = 0
         self._chunks: collections.deque = collections.deque()
         self._buffered = 0
         self.throttled = False
@@ -271,6 +290,9 @@ class _Pumps:
                 data = text.encode("utf-8", "surrogateescape")
                 if not data:
                     continue
+                if self._stdout_seen < PMIX_SCAN_BYTES:  # they come before any rank's output
+                    self._stdout_seen += len(data)
+                    self.stdout_head.append(text)
                 self._notify("stdout", data)
                 with self._cond:
                     while self._buffered > STDOUT_BUFFER_MAX and not self._eof:
@@ -576,12 +598,14 @@ def _result(mpirun_rc: int, job: RunningJob, pumps: _Pumps, state: dict, expecte
         rc = SIGPIPE_EXIT
     else:
         rc = exit_code_for(mpirun_rc, failures, False)
-    lost = lost_daemon_host("".join(pumps.stderr_tail)) if root_cause(failures) is None else None
+    stderr_tail = "".join(pumps.stderr_tail)
+    lost = lost_daemon_host(stderr_tail) if root_cause(failures) is None else None
     if lost and rc == 0:
         rc = ExitCode.FAILED  # Open MPI 5 was seen to exit 0 after losing a daemon and its ranks
     result = JobResult(rc, mpirun_rc, failures, interrupted, signum, state.get("timeout"),
                        bool(state.get("stdout_closed")), lost, forced=bool(state.get("forced")),
-                       stopped=job.stop_reason is not None)
+                       stopped=job.stop_reason is not None,
+                       pmix_refused=None if job.started_ranks else pmix_refusal(stderr_tail + "".join(pumps.stdout_head)))
     if mpirun_rc != 0 and root_cause(failures) is None and not lost and not interrupted and "timeout" not in state:
         # Open MPI does not always say which daemon it lost: the ranks that started and then sent
         # neither an exit report nor their last output line went down with their host or daemon.

@@ -14,7 +14,8 @@ Python. Every step has a timeout; the ranks are asked in parallel.
 each local rank's progress (recorder sequence, log size), until its output is closed.
 
 ``python -S stackagent.py kill JOB_DIR`` sends SIGKILL to every rank of the job on this host, and
-to the MPI daemons that started them if they are still alive (rankstate.record_daemon).
+to the MPI daemons that started them if they are still alive (rankstate.record_daemon), then
+removes the session directories those daemons leave (launcher/sessiondirs.py).
 """
 import json
 import os
@@ -338,7 +339,7 @@ def kill(job_dir):
         from launcher.rankstate import proc_start
 
     host = socket.gethostname()
-    killed = []
+    killed, daemons = [], []
     for st in local_ranks(job_dir):
         for pid in (st.get("pid"), st.get("wrapper_pid")):
             try:
@@ -361,13 +362,27 @@ def kill(job_dir):
             if proc_start(pid) == (d.get("name"), d.get("start")):
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
+                daemons.append(pid)
         except (OSError, ValueError, TypeError, KeyError):
             pass
         try:
             os.unlink(path)
         except OSError:
             pass
-    return {"host": host, "killed": killed}
+    return {"host": host, "killed": killed, "swept": _sweep_after(daemons)}
+
+
+def _sweep_after(daemons, wait_s=0.5):
+    """Remove the session directories that the killed MPI daemons left (launcher/sessiondirs.py),
+    once they are gone (a killed process counts as alive until its parent reaps it)."""
+    try:
+        import sessiondirs  # run as a script: launcher/ is sys.path[0]
+    except ImportError:
+        from launcher import sessiondirs
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(sessiondirs.alive(p) for p in daemons):
+        time.sleep(0.02)
+    return len(sessiondirs.sweep())
 
 
 def main(argv):
