@@ -147,6 +147,17 @@ def env_findings(host: str, rep: Mapping, local: LocalFacts, is_this_host: bool 
                 f"dtrun runs mpirun by absolute path and is not affected; put {os.path.dirname(local.mpirun)} "
                 f"before {os.path.dirname(found)} on {host}'s PATH so that a plain `{name}` and other tools agree")
             break
+    # --- what killed Open MPI 5 jobs left (launcher/sessiondirs.py) ---
+    stale = rep.get("stale_sessions") or {}
+    if stale.get("count"):
+        n, dirs = stale["count"], stale.get("paths") or []
+        shown = ", ".join(dirs[:3]) + (", …" if n > 3 else "")
+        add(WARN, f"{n} session director{'y' if n == 1 else 'ies'} of killed Open MPI 5 jobs on {host} ({shown}): "
+                  f"a daemon that is given one of those pids stops at start-up and mpirun reports "
+                  f"'Daemon exit status: 213'",
+            f"dtrun's rank wrapper removes them during the next job on {host}; to remove them now: "
+            f"ssh {shlex.quote(host)} rm -rf {' '.join(shlex.quote(d) for d in dirs)}"
+            + (f" (the first {len(dirs)} of {n})" if n > len(dirs) else ""))
     # --- Python, mpi4py and the libraries it loads ---
     py = rep.get("python") or {}
     ld = env.get("LD_LIBRARY_PATH")

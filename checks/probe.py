@@ -21,7 +21,10 @@ from typing import Optional
 
 from checks.errors import CheckTimeout, RemoteCommandError
 
-PROBE_SOURCE = Path(__file__).with_name("remote_probe.py").read_bytes()
+# One program: launcher/sessiondirs.py (standard library only) goes first, so the probe can
+# report its host's stale Open MPI session directories with the code dtrun removes them with.
+PROBE_SOURCE = ((Path(__file__).parent.parent / "launcher" / "sessiondirs.py").read_bytes() + b"\n"
+                + Path(__file__).with_name("remote_probe.py").read_bytes())
 # Reads the probe's source (length-prefixed) from stdin and runs it as __main__; the rest of
 # stdin is left for the probe's JSON lines.
 BOOT = ("import sys;b=sys.stdin.buffer;n=int(b.readline());"

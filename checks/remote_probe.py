@@ -332,6 +332,16 @@ def pairs(req):
     return out
 
 
+def stale_sessions():
+    """{"count", "paths"} of this host's stale Open MPI 5 session directories, or None where the
+    probe runs without launcher/sessiondirs.py (checks/probe.py sends it ahead of this file)."""
+    find, top = globals().get("stale"), globals().get("top_dir")
+    if find is None or top is None:
+        return None
+    found = find(top())
+    return {"count": len(found), "paths": found[:20]}
+
+
 def report(req, listener):
     t0 = time.monotonic()
     env_path = os.environ.get("PATH")
@@ -353,6 +363,7 @@ def report(req, listener):
         "python": python_info(paths.get("python"), req.get("mpi_load", True)),
         "port": listener.port if listener else None,
         "links_port": req.get("links_port"),
+        "stale_sessions": stale_sessions(),
     }
     rep["elapsed"] = round(time.monotonic() - t0, 3)
     return rep

@@ -134,9 +134,10 @@ def test_dtrun_launches_where_stale_dirs_name_the_next_pids(tmp_path):
     assert sorted(l.split("SUM", 1)[1] for l in out.splitlines() if "SUM" in l) == [" 2", " 2"], out
     mpirun_pid = {int(l.split("MPIRUN")[1]) for l in out.splitlines() if "MPIRUN" in l}
     assert len(mpirun_pid) == 1 and mpirun_pid <= set(pids), (mpirun_pid, pids[0], pids[-1])
-    # Every one is gone but dtrun's own (alive at both of its sweeps, so rightly kept then).
+    # Gone but those whose pid a live process had at dtrun's sweeps (dtrun's own; on a busy
+    # machine, others': they are kept, rightly).
     left = [q for q in pids if os.path.lexists(tmp_path / f"ompi.{q}")]
-    assert set(left) <= {p.pid}, f"{len(left)} stale directories left, e.g. {left[:5]}"
+    assert p.pid in left and len(left) < len(pids) // 10, f"{len(left)} stale directories left, e.g. {left[:5]}"
 
 
 @pytest.mark.mpi
@@ -207,3 +208,37 @@ def test_a_remote_daemon_refused_for_a_stale_dir_gets_the_note(cluster3, tmp_pat
     assert "Daemon exit status: 213" in p.stdout  # mpirun's report; the daemon's own words are lost
     assert f"dtrun: warning: Open MPI's PMIx would not start on {host} and no rank started" in p.stderr
     assert "(ompi.PID, prted.PID)" in p.stderr and "run the job again" in p.stderr
+
+
+def test_the_probe_reports_its_hosts_stale_session_dirs(tmp_path):
+    """The doctor's probe, started as on any host (the same program, stdin and JSON), finds them."""
+    from checks import probe
+
+    stale = make_stale(tmp_path, "prted", dead_pid())
+    make_stale(tmp_path, "ompi", os.getpid())
+    p = subprocess.run(["/bin/sh", "-c", probe.boot_command(PYTHON)], input=probe.probe_input({"gpu": False}),
+                       capture_output=True, timeout=60, env=user_env(TMPDIR=str(tmp_path)))
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout.splitlines()[0])
+    assert rep["stale_sessions"] == {"count": 1, "paths": [stale]}
+
+
+@pytest.mark.cluster
+def test_doctor_names_the_host_and_how_to_remove_them(cluster3):
+    """The namespace hosts share this machine's /tmp, so every remote host reports the same one."""
+    d = make_stale("/tmp", "prted", dead_pid(), host=cluster3.hosts[1].name)
+    try:
+        p = subprocess.run([DTRUN, "doctor", "--json", "--no-e2e", "--ssh-config", str(cluster3.ssh_config),
+                            "--hostfile", str(cluster3.hostfile)], capture_output=True, text=True, timeout=120,
+                           env=user_env(), cwd=REPO, stdin=subprocess.DEVNULL)
+    finally:
+        subprocess.run(["rm", "-rf", d])
+    assert p.returncode in (0, 1), p.stderr
+    assert p.stdout.startswith("{"), p.stderr[-2000:]  # the JSON report, not a traceback
+    found = [f for f in json.loads(p.stdout)["findings"] if "session directory of killed Open MPI 5" in f["detail"]]
+    hosts = [h.name for h in cluster3.hosts]
+    assert sorted(f["host"] for f in found) == sorted(hosts), p.stdout
+    for f in found:
+        assert f["status"] == "warn" and f"1 session directory of killed Open MPI 5 jobs on {f['host']} ({d})" \
+            in f["detail"], f
+        assert f"to remove them now: ssh {f['host']} rm -rf {d}" in f["fix"], f
