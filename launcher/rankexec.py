@@ -266,12 +266,14 @@ def main(argv=None):
     parent = os.getppid()
     orphaned_at = None
     exited = threading.Event()
+    ended_at = []  # when the program ended: the markers' t=, not when they are written (after lingering)
 
     def watch():
         try:
             os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped yet
         except OSError:
             pass
+        ended_at.append(time.time())
         exited.set()
 
     threading.Thread(target=watch, daemon=True).start()
@@ -288,6 +290,7 @@ def main(argv=None):
             forward(signal.SIGKILL, None)
     written = _bytes_written(child.pid)
     rc = child.wait()
+    t_end = ended_at[0] if ended_at else time.time()
     if job_dir:
         rankstate.cleanup(job_dir, rank)
     if not log_dir:
@@ -310,12 +313,12 @@ def main(argv=None):
     if rc < 0:
         # forwarded=1: the launcher was stopping this rank; 0: someone else killed it.
         sys.stderr.write(f"{MARKER} rank={rank} host={host} signal={-rc} forwarded={int(bool(forwarded))} "
-                         f"t={time.time():.6f}\n")
+                         f"t={t_end:.6f}\n")
         sys.stderr.flush()
         return 128 - rc
     if rc != 0:
         # t=: when it ended, so dtrun can tell the first failure from the errors it caused elsewhere
-        sys.stderr.write(f"{MARKER} rank={rank} host={host} code={rc} t={time.time():.6f}\n")
+        sys.stderr.write(f"{MARKER} rank={rank} host={host} code={rc} t={t_end:.6f}\n")
         sys.stderr.flush()
         # Give the launcher a moment to forward the marker before it learns of this exit and
         # tears the job down (Hydra was seen to drop it otherwise).
