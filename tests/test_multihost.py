@@ -124,6 +124,22 @@ def _job_procs(token, cluster):
     return command_lines(lambda cmd: (token in cmd and "mpi4py" in cmd) or ("prted" in cmd and config in cmd))
 
 
+def described(procs):
+    """Leftover processes with what tells where they came from: parent, state, age, and the
+    rank or daemon they are (so a failure shows whose job left them)."""
+    import psutil
+
+    out = []
+    for pid, cmd in procs:
+        try:
+            p = psutil.Process(pid)
+            out.append(f"pid {pid} ppid {p.ppid()} ({psutil.Process(p.ppid()).name() if p.ppid() else '-'}) "
+                       f"{p.status()} age {time.time() - p.create_time():.1f} s: {cmd[:300]}")
+        except psutil.Error:
+            out.append(f"pid {pid} (gone): {cmd[:300]}")
+    return "\n".join(out)
+
+
 def test_sigint_leaves_nothing_alive_on_any_host(cluster3, tmp_path):
     token = f"dtrun-mh-sigint-{os.getpid()}-{time.monotonic_ns()}"
     script = tmp_path / f"{token}.py"
@@ -133,13 +149,16 @@ def test_sigint_leaves_nothing_alive_on_any_host(cluster3, tmp_path):
         assert len([c for _, c in running if token in c]) == 3, running
         assert any("prted" in c for _, c in running), running
 
+    before = _job_procs(token, cluster3)
+    assert before == [], "an earlier job on this cluster left these:\n" + described(before)
     argv = [DTRUN, "--ssh-config", str(cluster3.ssh_config), "-H", host_list(cluster3, [1, 1, 1]),
             "--no-tag-output", "python", str(script)]
     assert interrupt_when_up(argv, 3, three_ranks_and_daemons) == 130
     # When mpirun has to be killed (it had not finished in dtrun's grace period, as on a loaded
     # machine), the remote daemons exit as their connection to it closes: about a second here,
     # several on a loaded 2-core machine.
-    assert wait_until_empty(lambda: _job_procs(token, cluster3), timeout=15) == []
+    left = wait_until_empty(lambda: _job_procs(token, cluster3), timeout=15)
+    assert left == [], described(left)
 
 
 def test_sigint_with_a_frozen_daemon_leaves_nothing_alive_on_any_host(cluster3, tmp_path):
@@ -171,7 +190,8 @@ def test_sigint_with_a_frozen_daemon_leaves_nothing_alive_on_any_host(cluster3, 
             "--no-tag-output", "python", str(script)]
     try:
         assert interrupt_when_up(argv, 3, freeze_one_daemon) == 130
-        assert wait_until_empty(lambda: _job_procs(token, cluster3), timeout=5) == []
+        left = wait_until_empty(lambda: _job_procs(token, cluster3), timeout=5)
+        assert left == [], described(left)
     finally:
         for pid in frozen:
             try:
