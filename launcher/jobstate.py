@@ -19,6 +19,7 @@ from typing import Optional
 
 from launcher.errors import UsageError
 from launcher.paths import cache_dir
+from launcher.sessiondirs import alive
 
 
 @dataclass(frozen=True)
@@ -63,16 +64,6 @@ def remove(job_dir: str) -> None:
     shutil.rmtree(job_dir, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def running_jobs() -> list[JobInfo]:
     """Jobs whose dtrun is still alive, oldest first; stale records are removed."""
     found = []
@@ -85,7 +76,7 @@ def running_jobs() -> list[JobInfo]:
             info = JobInfo(**{**data, "hosts": tuple(data["hosts"]), "program": tuple(data.get("program", ()))})
         except (OSError, ValueError, TypeError, KeyError):
             continue
-        if _alive(info.dtrun_pid):
+        if alive(info.dtrun_pid):
             found.append(info)
         else:
             shutil.rmtree(d, ignore_errors=True)
