@@ -17,10 +17,11 @@ file when its pid is gone; this module does the same for the releases that do no
 A directory is removed only when all of these hold, so a live session is never touched:
 its name is ``NAME.PID``; it is ours (same uid, not a symlink); it holds a PMIx
 rendezvous file whose third line is that same PID; and no process has that PID (in
-this pid namespace). dtrun sweeps the launching host before and after every Open MPI
-job, and each host's local rank 0 sweeps its host while the job runs
-(``launcher/rankexec.py``), so a killed job's leftovers are gone before the next job
-there.
+this pid namespace). dtrun sweeps the launching host before and after every Open MPI 5
+job, each host's local rank 0 sweeps its host while the job runs (``launcher/rankexec.py``),
+and the kill agent sweeps after it kills a job's daemons (``launcher/stackagent.py``), so a
+killed job's leftovers are gone before the next job there; ``dtrun doctor`` lists what is
+left on each host (``checks/remote_probe.py`` runs this module).
 """
 import os
 import re

@@ -225,3 +225,21 @@ def test_finding_and_worst():
     assert Finding("h1", "ssh", FAIL, "refused", "start sshd").message == "h1: refused; fix: start sshd"
     with pytest.raises(ValueError):
         Finding("h1", "ssh", "bad", "x")
+
+
+def test_stale_session_dirs_warn_with_a_removal_command_that_quotes_each_path():
+    """Paths come from the remote host's TMPDIR: spaces, quotes and shell characters stay one word."""
+    import shlex
+
+    odd = ["/tmp/a b/prted.5", "/tmp/x'y;rm -rf ~/prted.6", "/tmp/$(id)/ompi.7"]
+    rep = healthy()
+    rep["stale_sessions"] = {"count": 25, "paths": odd}
+    [f] = env.env_findings("h2", rep, LOCAL)
+    assert f.status == WARN
+    assert f.detail.startswith("25 session directories of killed Open MPI 5 jobs on h2 (/tmp/a b/prted.5, ")
+    assert "'Daemon exit status: 213'" in f.detail
+    command, _, rest = f.fix.partition("to remove them now: ")[2].partition(" (the first")
+    assert shlex.split(command) == ["ssh", "h2", "rm", "-rf", *odd]
+    assert rest == " 3 of 25)"
+    rep["stale_sessions"] = {"count": 0, "paths": []}
+    assert statuses(env.env_findings("h2", rep, LOCAL)) == [(OK, "env")]
