@@ -10,7 +10,11 @@ Runs ``python -m collectives.bench`` under dtrun (mpirun if dtrun is not install
    per rank, read N + write N + read (p-1)/p N);
 2. grouped_allreduce of 256 x 4 KiB against 256 separate allreduces (fusion), and of
    4 x 16 MiB (large tensors must not lose);
-3. across hosts (root only, namespace cluster): ``bench_collectives_hosts.py``.
+3. across hosts (root only, namespace cluster): ``bench_collectives_hosts.py``;
+4. the mismatch check's cost: allreduce at 8 B and 1 MiB (the goals), and 4 and 16 MiB,
+   in and out of place, on 2 and 3 ranks, with each collective's signature compared (the default) and without
+   (``Comm.signatures = False``, what ``DTRUN_CHECK=0`` sets), toggled between rounds
+   in the same processes (the same core placement), median of the rounds.
 
 The path table is measured afresh at the start (``DTRUN_TUNE=refresh`` in the first
 run per rank count) and printed with the reason for each choice. Ours and raw are timed
@@ -113,6 +117,66 @@ def paths_table(nranks: int) -> list[dict]:
     return []
 
 
+# Rank program of the check-overhead measurement (section 4): rounds alternate the check
+# on and off in the same processes; each timed loop lasts at least CHECK_MIN_TIME.
+CHECK_ROUNDS = int(os.environ.get("BENCH_CHECK_ROUNDS", "15"))
+CHECK_MIN_TIME = 0.01
+_CHECK_CODE = """
+import json, time, numpy as np, collectives
+c = collectives.init()
+res = {}
+for nbytes in (8, 1 << 20, 4 << 20, 16 << 20):
+    x = np.ones(nbytes // 4, np.float32)
+    y = np.empty_like(x)
+    for ip in (False, True):
+        calls = [lambda: c.allreduce(x, out=y), lambda: c.allreduce(y, inplace=True)]
+        call = calls[ip]
+        for _ in range(20):
+            call()
+        n = 1
+        while True:  # iterations per timed loop: the same on every rank
+            t0 = time.perf_counter()
+            for _ in range(n):
+                call()
+            dt = np.array([time.perf_counter() - t0])
+            c.mpi.Allreduce(collectives.IN_PLACE, dt, op=__import__('mpi4py').MPI.MAX)
+            if dt[0] >= MIN_TIME:
+                break
+            n *= 2
+        times = {True: [], False: []}
+        for r in range(ROUNDS):
+            for on in ((True, False) if r % 2 == 0 else (False, True)):
+                c.signatures = on
+                c.barrier()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    call()
+                t = np.array([(time.perf_counter() - t0) / n])
+                c.mpi.Allreduce(collectives.IN_PLACE, t, op=__import__('mpi4py').MPI.MAX)
+                times[on].append(float(t[0]))
+        c.signatures = True
+        res[f"{nbytes} {'ip' if ip else 'oop'}"] = {
+            "on_us": float(np.median(times[True])) * 1e6, "off_us": float(np.median(times[False])) * 1e6,
+            "path": c.allreduce_path(nbytes, ip), "iters": n}
+if c.rank == 0:
+    print("CHECKCOST", json.dumps(res))
+"""
+
+
+def check_overhead(nranks: int) -> dict:
+    """Section 4: {"8 oop": {"on_us", "off_us", "path", "iters"}, ...} (rank 0's view)."""
+    code = _CHECK_CODE.replace("MIN_TIME", repr(CHECK_MIN_TIME)).replace("ROUNDS", str(CHECK_ROUNDS))
+    cmd = launcher(nranks) + [sys.executable, "-c", code]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env=dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}"),
+                          stdin=subprocess.DEVNULL)
+    for line in proc.stdout.splitlines():
+        if line.startswith("CHECKCOST "):
+            return json.loads(line[10:])
+    sys.exit(f"bench_collectives: check overhead run failed ({proc.returncode}):\n"
+             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
 def summarize(doc: dict) -> dict:
     rows = doc["rows"]
     ratios = [(r[f"{v}_ratio"], r["size"], v) for r in rows for v in ("oop", "ip")]
@@ -150,6 +214,7 @@ def main() -> int:
         path = OUT_DIR / "collectives_hosts.json"
         if proc.returncode == 0 and path.exists():
             hosts = json.loads(path.read_text())
+    checks = {n: check_overhead(n) for n in (2, 3)}
     load_after = os.getloadavg()
 
     sums = {k: summarize(v) for k, v in runs.items()}
@@ -178,6 +243,21 @@ def main() -> int:
                   "note": f"fused {fbig['fused_time_us'] / 1e3:.1f} ms, separate "
                           f"{fbig['separate_time_us'] / 1e3:.1f} ms"})
 
+    for n, res in checks.items():
+        for key, r in res.items():
+            size, v = key.split()
+            if size not in ("8", str(1 << 20)):
+                continue  # 4 and 16 MiB: in the table below
+            over = r["on_us"] / r["off_us"] - 1 if r["off_us"] > 0 else 0.0
+            # 8 B: at most 1 %; 1 MiB: none, within the rounds' noise (0.5 %)
+            limit = 0.01 if size == "8" else 0.005
+            goals.append({"goal": f"mismatch check overhead in %, {n} ranks, {mib(int(size))} "
+                                  f"{'in place' if v == 'ip' else 'out of place'}",
+                          "measured": over * 100,
+                          "target": "<= 1 %" if size == "8" else "0 (within 0.5 % noise)",
+                          "met": over <= limit,
+                          "note": f"path {r['path']}, {r['on_us']:.2f} us with, "
+                                  f"{r['off_us']:.2f} us without"})
     if hosts and hosts.get("auto", {}).get("own"):
         r, where = min(hosts["auto"]["own"])
         goals.append({"goal": "across hosts, min ours/raw where the measured choice is not MPI",
@@ -265,6 +345,19 @@ def main() -> int:
               f"be {f4k['speedup_at_bound']:.2f}x the separate calls. Fusion saves the "
               "per-call synchronisation only; the faster the separate calls, the lower this "
               "ceiling.", ""]
+    lines += ["## The mismatch check's cost", "",
+              "allreduce float32 sum with each collective's signature compared (the default) "
+              "and without (`DTRUN_CHECK=0`), toggled between rounds in the same processes, "
+              f"median of {CHECK_ROUNDS} rounds each.", "",
+              "| ranks | size | variant | path | with (us) | without (us) | overhead |",
+              "|---|---|---|---|---|---|---|"]
+    for n, res in checks.items():
+        for key, r in res.items():
+            size, v = key.split()
+            over = r["on_us"] / r["off_us"] - 1 if r["off_us"] > 0 else 0.0
+            lines.append(f"| {n} | {mib(int(size))} | {'in place' if v == 'ip' else 'out of place'} "
+                         f"| {r['path']} | {r['on_us']:.2f} | {r['off_us']:.2f} | {over * 100:+.2f} % |")
+    lines.append("")
     if hosts:
         lines += hosts.get("markdown", [])
     lines += ["", "Commands (each under `dtrun -H localhost:<n> --oversubscribe`):", ""]
@@ -275,6 +368,7 @@ def main() -> int:
     (OUT_DIR / "collectives.md").write_text("\n".join(lines))
     (OUT_DIR / "collectives.json").write_text(json.dumps(
         {"goals": goals, "runs": runs, "paths": tables, "grouped_256x4KiB": fused,
+         "check_overhead": checks,
          "grouped_4x16MiB": fused_big, "hosts": hosts,
          "loadavg_before": load_before, "loadavg_after": load_after}, indent=1))
     print("\n".join(lines))

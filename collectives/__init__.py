@@ -18,7 +18,8 @@ Exceptions are importable without MPI.
 from __future__ import annotations
 
 from .errors import (CollectiveError, DeviceError, MismatchError, MPIError,
-                     NotContiguousError, ShapeError, UnsupportedDtypeError)
+                     NotContiguousError, OverlapError, ReadOnlyError, ShapeError,
+                     UnsupportedDtypeError)
 from .env import env_local_rank, env_local_size, env_rank, env_size
 
 SUM, PROD, MIN, MAX, AVG = "sum", "prod", "min", "max", "avg"
@@ -30,7 +31,8 @@ _LAZY = {
 }
 
 __all__ = ["Comm", "init", "world", "Handle", "wait_all", "CollectiveError", "DeviceError",
-           "MismatchError", "MPIError", "NotContiguousError", "ShapeError",
+           "MismatchError", "MPIError", "NotContiguousError", "OverlapError", "ReadOnlyError",
+           "ShapeError",
            "UnsupportedDtypeError", "SUM", "PROD", "MIN", "MAX", "AVG", "BFLOAT16",
            "env_rank", "env_size", "env_local_rank", "env_local_size"]
 

@@ -8,7 +8,8 @@
  * local-rank order into the output. One synchronisation per step, no Python in between.
  *
  * Memory: each local rank owns a segment (in an MPI-3 shared window, mapped by all):
- *   [header: int64 counter, then one int64 "asleep on this counter" flag per rank]
+ *   [header: int64 counter, two signatures of SIG_WORDS int64 (by the epoch's parity),
+ *    then one int64 "asleep on this counter" flag per rank]
  *   [slot, parity 0: cap bytes] [slot, parity 1: cap bytes]
  * Steps alternate parity. A rank writes its slot of parity p at step e only after it saw
  * every rank post step e-1, which each did after finishing step e-2 (the last reader of
@@ -29,6 +30,15 @@
  * one core busy: 30-40 us per 4 KiB allreduce instead of 5). With more ranks than CPUs
  * (yield_always) every wait yields after a short spin, as the late rank may be queued
  * behind the waiter on any core.
+ *
+ * Mismatch check: every synchronisation carries the caller's signature (operation, dtype,
+ * element count, op, path: signature.py packs it), written next to the counter before the
+ * post. After the wait each rank compares the others' signatures with its own; at the
+ * first synchronisation of a call that is the first exchange, so ranks that called with
+ * different arguments all see it there, before any of them reduces, and all raise (through
+ * the on_mismatch callback) instead of reducing garbage or waiting for a step that never
+ * comes. It costs three stores and a few loads of the cache line the wait reads anyway.
+ * A signature of zeros means "none" (checks off): never compared.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -55,6 +65,7 @@ static inline PyObject *Py_NewRef(PyObject *o) { Py_INCREF(o); return o; }
 #define YIELD_NS 10000000L   /* default: then spin or yield this long before sleeping */
 #define SLEEP_NS 2000000L    /* futex timeout: the longest a missed wake-up can cost */
 #define SIGNAL_CHECK_NS 100000000L
+#define SIG_WORDS 3
 
 enum { OP_SUM, OP_PROD, OP_MIN, OP_MAX, OP_AVG, N_OPS };
 enum { T_I8, T_U8, T_I16, T_U16, T_I32, T_U32, T_I64, T_U64, T_F32, T_F64, N_TYPES };
@@ -85,6 +96,15 @@ typedef struct {
     long long rec_desc[N_TYPES];  /* operation and dtype bits of an allreduce, per type */
     long long rec_count_max;
     int recording;            /* 0: stores skipped (the recorder benchmark's "off" rounds) */
+    int64_t *rec_inside;      /* the recorder header's flag word: 1 while inside allreduce() */
+    int64_t *inside_on;       /* rec_inside, or NULL while timing is off (the hot path reads this only) */
+    int timing;               /* 0: the flag is not stored (the wait-timing benchmark's "off") */
+    /* mismatch check: the signature every synchronisation of the current call carries */
+    int checking;             /* 0: no signatures (DTRUN_CHECK=0) */
+    int64_t sig[SIG_WORDS];
+    long long sig_base[N_TYPES];  /* allreduce()'s signature bits per type code */
+    int redop_shift, path_shift;
+    PyObject *on_mismatch;    /* called with every rank's signature; raises */
     PyObject *keep;           /* objects that own the mappings (kept alive) */
     PyObject *fallback;       /* called with the original arguments when not taken */
     PyObject *empty_like;
@@ -95,7 +115,10 @@ static PyObject *s_sum, *s_prod, *s_min, *s_max, *s_avg;
 static const char *kwlist_names[] = {"x", "op", "out", "inplace"};
 
 static inline int64_t *counter(Engine *e, int k) { return (int64_t *)e->seg[k]; }
-static inline int64_t *flag(Engine *e, int k, int waiter) { return (int64_t *)e->seg[k] + 1 + waiter; }
+static inline int64_t *sigw(Engine *e, int k, int par) { return (int64_t *)e->seg[k] + 1 + par * SIG_WORDS; }
+static inline int64_t *flag(Engine *e, int k, int waiter) {
+    return (int64_t *)e->seg[k] + 1 + 2 * SIG_WORDS + waiter;
+}
 static inline char *slot(Engine *e, int k, int par) { return e->seg[k] + e->hdr + par * e->cap; }
 /* the CPU rank k ran on when it last posted: the header's last cache line, apart from the
  * counter's (it changes only when the rank migrates) */
@@ -235,14 +258,74 @@ done:
     return rc;
 }
 
-/* One synchronisation: post the next epoch and wait until every other rank posted it.
- * Returns -1 with a Python exception set when a signal handler raised. */
+/* The ranks' signatures differ at the synchronisation of parity ``par``: hand every rank's
+ * to on_mismatch, which raises. Returns -1 with the exception set. */
+static int mismatch(Engine *e, int par) {
+    PyObject *rows = PyList_New(e->n);
+    if (rows == NULL) return -1;
+    for (int k = 0; k < e->n; k++) {
+        const int64_t *w = k == e->me ? e->sig : sigw(e, k, par);
+        PyObject *row = Py_BuildValue("(LLL)", (long long)__atomic_load_n(w, __ATOMIC_RELAXED),
+                                      (long long)__atomic_load_n(w + 1, __ATOMIC_RELAXED),
+                                      (long long)__atomic_load_n(w + 2, __ATOMIC_RELAXED));
+        if (row == NULL) { Py_DECREF(rows); return -1; }
+        PyList_SET_ITEM(rows, k, row);
+    }
+    if (e->on_mismatch == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "ranks called the engine with different signatures");
+    } else {
+        PyObject *r = PyObject_CallOneArg(e->on_mismatch, rows);
+        if (r != NULL) {   /* the callback must raise */
+            Py_DECREF(r);
+            PyErr_SetString(PyExc_RuntimeError, "ranks called the engine with different signatures");
+        }
+    }
+    Py_DECREF(rows);
+    return -1;
+}
+
+/* One synchronisation: post the next epoch (with this call's signature) and wait until
+ * every other rank posted it, then compare signatures. Returns -1 with a Python exception
+ * set when a signal handler raised or the signatures differ. */
 static int sync_all(Engine *e) {
     int64_t epoch = ++e->epoch;
+    int par = (int)(epoch & 1);
+    /* Rewritten at epoch+2 only, which this rank posts after every other rank posted
+     * epoch+1, i.e. after each finished reading this one. */
+    int64_t *mine = sigw(e, e->me, par);
+    for (int i = 0; i < SIG_WORDS; i++)
+        __atomic_store_n(mine + i, e->sig[i], __ATOMIC_RELAXED);  /* ordered by post's release */
     post(e, epoch);
     for (int k = 0; k < e->n; k++)
         if (k != e->me && wait_for(e, k, epoch) < 0)
             return -1;
+    if (e->sig[0] != 0) {
+        for (int k = 0; k < e->n; k++) {
+            if (k == e->me) continue;
+            const int64_t *w = sigw(e, k, par);
+            int64_t w0 = __atomic_load_n(w, __ATOMIC_RELAXED);
+            if (w0 != 0 && (w0 != e->sig[0] || __atomic_load_n(w + 1, __ATOMIC_RELAXED) != e->sig[1] ||
+                            __atomic_load_n(w + 2, __ATOMIC_RELAXED) != e->sig[2]))
+                return mismatch(e, par);
+        }
+    }
+    return 0;
+}
+
+static inline void set_sig(Engine *e, int64_t w0, int64_t w1, int64_t w2) {
+    if (e->checking) {
+        e->sig[0] = w0; e->sig[1] = w1; e->sig[2] = w2;
+    } else {
+        e->sig[0] = e->sig[1] = e->sig[2] = 0;
+    }
+}
+
+/* An optional signature argument: None (no check) or a tuple of SIG_WORDS ints. */
+static int sig_arg(Engine *e, PyObject *o) {
+    long long w[SIG_WORDS] = {0, 0, 0};
+    if (o != Py_None && !PyArg_ParseTuple(o, "LLL", &w[0], &w[1], &w[2]))
+        return -1;
+    set_sig(e, w[0], w[1], w[2]);
     return 0;
 }
 
@@ -568,6 +651,9 @@ static PyObject *Engine_allreduce(Engine *e, PyObject *const *args, Py_ssize_t n
             int same = type_of(&ov) == type && ov.len == xv.len && ov.ndim == xv.ndim;
             for (int d = 0; same && d < xv.ndim; d++)
                 same = ov.shape[d] == xv.shape[d];
+            /* an out sharing memory with x (not x itself): Python refuses it */
+            if ((char *)ov.buf < (char *)xv.buf + xv.len && (char *)xv.buf < (char *)ov.buf + ov.len)
+                same = 0;
             if (!same) { PyBuffer_Release(&ov); PyBuffer_Release(&xv); goto slow; }
             have_ov = 1;
             result = out;
@@ -588,6 +674,11 @@ static PyObject *Engine_allreduce(Engine *e, PyObject *const *args, Py_ssize_t n
         }
         Py_ssize_t count = xv.len / xv.itemsize;
         record(e, e->rec_desc[type] | (count < e->rec_count_max ? count : e->rec_count_max));
+        /* inside the collective until it returns: dtrun's agent reads the flag (no clock here) */
+        int64_t *inside = e->inside_on;
+        if (inside != NULL) __atomic_store_n(inside, 1, __ATOMIC_RELAXED);
+        set_sig(e, e->sig_base[type] | ((long long)(op + 1) << e->redop_shift) |
+                ((long long)(code + 1) << e->path_shift), count, 0);
         int rc;
         if (code == 1) {
             rc = run(e, xv.buf, dst, count, type, op);
@@ -595,6 +686,7 @@ static PyObject *Engine_allreduce(Engine *e, PyObject *const *args, Py_ssize_t n
             seg_t seg = {xv.buf, dst, xv.len};
             rc = run2(e, &seg, 1, type, op);
         }
+        if (inside != NULL) __atomic_store_n(inside, 0, __ATOMIC_RELAXED);
         if (have_ov) PyBuffer_Release(&ov);
         PyBuffer_Release(&xv);
         if (rc < 0) { Py_DECREF(result); return NULL; }
@@ -604,25 +696,30 @@ slow:
     return PyObject_Vectorcall(e->fallback, args, nargs, kwnames);
 }
 
-/* reduce(src, dst, op): the same steps for arrays the caller checked (C-contiguous,
+/* reduce(src, dst, op, two=False, sig=None): the same steps for arrays the caller checked (C-contiguous,
  * one supported dtype, equal sizes; dst writable and may be src), at any size. Returns
  * True, or False when the dtype or op is not one this engine reduces. */
 static PyObject *Engine_reduce(Engine *e, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 && nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "reduce(src, dst, op, two=False)");
+    if (nargs < 3 || nargs > 5) {
+        PyErr_SetString(PyExc_TypeError, "reduce(src, dst, op, two=False, sig=None)");
         return NULL;
     }
-    int two = nargs == 4 ? PyObject_IsTrue(args[3]) : 0;
+    int two = nargs >= 4 ? PyObject_IsTrue(args[3]) : 0;
     if (two < 0) return NULL;
+    if (sig_arg(e, nargs == 5 ? args[4] : Py_None) < 0) return NULL;
     if (e->n < 2) Py_RETURN_FALSE;
     int op = op_of(args[2]);
     Py_buffer sv, dv;
     if (op < 0) Py_RETURN_FALSE;
-    if (PyObject_GetBuffer(args[0], &sv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        return NULL;
+    /* A dtype NumPy cannot export (ml_dtypes' bfloat16): not one this engine reduces. */
+    if (PyObject_GetBuffer(args[0], &sv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
     if (PyObject_GetBuffer(args[1], &dv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
         PyBuffer_Release(&sv);
-        return NULL;
+        PyErr_Clear();
+        Py_RETURN_FALSE;
     }
     int type = type_of(&sv);
     PyObject *res = Py_False;
@@ -640,21 +737,24 @@ static PyObject *Engine_reduce(Engine *e, PyObject *const *args, Py_ssize_t narg
     return res;
 }
 
-/* grouped(pairs, rep, op): allreduce in place the arrays whose (address, nbytes) pairs
+/* grouped(pairs, rep, op, sig=None): allreduce in place the arrays whose (address, nbytes) pairs
  * are the rows of ``pairs`` (an int64 array the caller built from arrays it keeps
  * alive, all of ``rep``'s dtype), as one stream, by the two-sync form. Returns True, or
  * False when the dtype or op is not one this engine reduces. */
 static PyObject *Engine_grouped(Engine *e, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "grouped(pairs, rep, op)");
+    if (nargs != 3 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "grouped(pairs, rep, op, sig=None)");
         return NULL;
     }
+    if (sig_arg(e, nargs == 4 ? args[3] : Py_None) < 0) return NULL;
     if (e->n < 2) Py_RETURN_FALSE;
     int op = op_of(args[2]);
     if (op < 0) Py_RETURN_FALSE;
     Py_buffer rv, pv;
-    if (PyObject_GetBuffer(args[1], &rv, PyBUF_FORMAT | PyBUF_ND) < 0)
-        return NULL;
+    if (PyObject_GetBuffer(args[1], &rv, PyBUF_FORMAT | PyBUF_ND) < 0) {
+        PyErr_Clear();   /* a dtype NumPy cannot export: not one this engine reduces */
+        Py_RETURN_FALSE;
+    }
     int type = type_of(&rv);
     PyBuffer_Release(&rv);
     if (type < 0 || (op == OP_AVG && type != T_F32 && type != T_F64)) Py_RETURN_FALSE;
@@ -678,6 +778,41 @@ static PyObject *Engine_grouped(Engine *e, PyObject *const *args, Py_ssize_t nar
     PyMem_Free(segs);
     if (rc < 0) return NULL;
     Py_RETURN_TRUE;
+}
+
+/* check(sig): one synchronisation carrying ``sig`` (a tuple of SIG_WORDS ints): the first
+ * exchange of a collective that takes another path (MPI, the Python shared-memory path),
+ * so that it meets a rank whose call took this engine. Collective over the host's ranks. */
+static PyObject *Engine_check(Engine *e, PyObject *arg) {
+    if (e->n < 2) Py_RETURN_NONE;
+    if (sig_arg(e, arg) < 0) return NULL;
+    if (sync_all(e) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* set_signature(bases, redop_shift, path_shift, on_mismatch): allreduce()'s signature bits
+ * per type code, where the op and path codes go, and the callable that raises on a
+ * mismatch (given every rank's signature). */
+static PyObject *Engine_set_signature(Engine *e, PyObject *args) {
+    PyObject *bases, *cb;
+    int rs, ps;
+    if (!PyArg_ParseTuple(args, "O!iiO", &PyTuple_Type, &bases, &rs, &ps, &cb))
+        return NULL;
+    if (PyTuple_GET_SIZE(bases) != N_TYPES || rs < 0 || rs > 60 || ps < 0 || ps > 60 ||
+            !PyCallable_Check(cb)) {
+        PyErr_SetString(PyExc_ValueError, "set_signature(bases: one int per type code, shifts, callable)");
+        return NULL;
+    }
+    for (int t = 0; t < N_TYPES; t++) {
+        e->sig_base[t] = PyLong_AsLongLong(PyTuple_GET_ITEM(bases, t));
+        if (e->sig_base[t] == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    e->redop_shift = rs;
+    e->path_shift = ps;
+    Py_XSETREF(e->on_mismatch, Py_NewRef(cb));
+    e->checking = 1;
+    Py_RETURN_NONE;
 }
 
 /* note(desc): the flight recorder's store for a collective that Python starts. */
@@ -726,14 +861,15 @@ static PyObject *Engine_set_fast(Engine *e, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* set_recorder(addr, mask, descs, count_max): record into the ring of int64 pairs at
- * addr (kept alive by the caller, who passes its owner to keep()); descs: the
- * operation|dtype bits of an allreduce for each type code. */
+/* set_recorder(addr, mask, descs, count_max, inside=0): record into the ring of int64 pairs
+ * at addr (kept alive by the caller, who passes its owner to keep()); descs: the
+ * operation|dtype bits of an allreduce for each type code; inside: the address of the
+ * header's flag word, 1 while allreduce() runs (0: none). */
 static PyObject *Engine_set_recorder(Engine *e, PyObject *args) {
-    unsigned long long addr;
+    unsigned long long addr, inside = 0;
     long long mask, count_max;
     PyObject *descs;
-    if (!PyArg_ParseTuple(args, "KLOL", &addr, &mask, &descs, &count_max))
+    if (!PyArg_ParseTuple(args, "KLOL|K", &addr, &mask, &descs, &count_max, &inside))
         return NULL;
     if (!PyTuple_Check(descs) || PyTuple_GET_SIZE(descs) != N_TYPES) {
         PyErr_SetString(PyExc_ValueError, "descs: one int per type code");
@@ -745,6 +881,8 @@ static PyObject *Engine_set_recorder(Engine *e, PyObject *args) {
             return NULL;
     }
     e->rec = (int64_t *)(uintptr_t)addr;
+    e->rec_inside = (int64_t *)(uintptr_t)inside;
+    e->inside_on = e->timing ? e->rec_inside : NULL;
     e->rec_mask = mask;
     e->rec_count_max = count_max;
     Py_RETURN_NONE;
@@ -759,7 +897,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
         return -1;
     if (n < 1 || n > MAX_RANKS || me < 0 || me >= n || !PyTuple_Check(addrs) ||
             (n > 1 && PyTuple_GET_SIZE(addrs) != n) || cap < 0 || cap % 64 || hdr < 8 * (1 + n) ||
-            (n > 1 && hdr < 8 * (1 + n) + 64) ||
+            (n > 1 && hdr < 8 * (1 + 2 * SIG_WORDS + n) + 64) ||
             !PyType_Check(ndarray) || !PyCallable_Check(fallback)) {
         PyErr_SetString(PyExc_ValueError, "Engine: bad layout");
         return -1;
@@ -787,6 +925,9 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
     e->fast_n[0] = e->fast_n[1] = 0;
     e->spin_ns = SPIN_NS;
     e->recording = 1;
+    e->timing = 1;
+    e->checking = 0;
+    e->sig[0] = e->sig[1] = e->sig[2] = 0;
     e->yield_ns = YIELD_NS;
     Py_XSETREF(e->keep, Py_NewRef(keep));
     Py_XSETREF(e->fallback, Py_NewRef(fallback));
@@ -800,6 +941,7 @@ static int Engine_traverse(Engine *e, visitproc visit, void *arg) {
     Py_VISIT(e->fallback);
     Py_VISIT(e->empty_like);
     Py_VISIT(e->ndarray);
+    Py_VISIT(e->on_mismatch);
     return 0;
 }
 
@@ -808,6 +950,7 @@ static int Engine_clear(Engine *e) {
     Py_CLEAR(e->fallback);
     Py_CLEAR(e->empty_like);
     Py_CLEAR(e->ndarray);
+    Py_CLEAR(e->on_mismatch);
     return 0;
 }
 
@@ -826,6 +969,7 @@ static PyObject *Engine_barrier_ns(Engine *e, PyObject *arg) {
     long iters = PyLong_AsLong(arg);
     if (iters == -1 && PyErr_Occurred()) return NULL;
     if (iters < 1 || e->n < 2) return PyFloat_FromDouble(0.0);
+    set_sig(e, 0, 0, 0);
     long t0 = now_ns();
     for (long i = 0; i < iters; i++)
         if (sync_all(e) < 0) return NULL;
@@ -836,10 +980,15 @@ static PyMethodDef Engine_methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))Engine_allreduce, METH_FASTCALL | METH_KEYWORDS,
      "allreduce(x, op='sum', out=None, inplace=False): the NumPy hot path, or the fallback."},
     {"reduce", (PyCFunction)(void (*)(void))Engine_reduce, METH_FASTCALL,
-     "reduce(src, dst, op) -> bool: allreduce src into dst (False: dtype/op not handled)."},
+     "reduce(src, dst, op, two=False, sig=None) -> bool: allreduce src into dst (False: dtype/op\n"
+     "not handled; then no rank synchronised)."},
     {"grouped", (PyCFunction)(void (*)(void))Engine_grouped, METH_FASTCALL,
-     "grouped(pairs, rep, op) -> bool: arrays at (address, nbytes) rows, in place, as one."},
+     "grouped(pairs, rep, op, sig=None) -> bool: arrays at (address, nbytes) rows, in place, as one."},
     {"note", (PyCFunction)Engine_note, METH_O, "note(desc): record a collective."},
+    {"check", (PyCFunction)Engine_check, METH_O,
+     "check(sig): one synchronisation comparing the ranks' signatures (collective)."},
+    {"set_signature", (PyCFunction)Engine_set_signature, METH_VARARGS,
+     "set_signature(bases, redop_shift, path_shift, on_mismatch): turn the check on."},
     {"barrier_ns", (PyCFunction)Engine_barrier_ns, METH_O,
      "barrier_ns(iters) -> float: mean ns per shared-memory barrier (collective)."},
     {"set_recorder", (PyCFunction)Engine_set_recorder, METH_VARARGS,
@@ -848,12 +997,31 @@ static PyMethodDef Engine_methods[] = {
      "set_fast(out_rows, in_rows): allreduce()'s (bound, code) rows; code 1: shm1, 2: shm2"},
     {NULL, NULL, 0, NULL}};
 
+static PyObject *Engine_get_timing(Engine *e, void *closure) {
+    return PyLong_FromLong(e->timing);
+}
+
+static int Engine_set_timing(Engine *e, PyObject *value, void *closure) {
+    int on = value == NULL ? 0 : PyObject_IsTrue(value);
+    if (on < 0) return -1;
+    e->timing = on;
+    e->inside_on = on ? e->rec_inside : NULL;
+    return 0;
+}
+
+static PyGetSetDef Engine_getset[] = {
+    {"timing", (getter)Engine_get_timing, (setter)Engine_set_timing,
+     "0: skip the recorder's inside-a-collective flag", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
 static PyMemberDef Engine_members[] = {
     {"limit_out", T_LONGLONG, offsetof(Engine, limit_out), READONLY,
      "allreduce() takes out-of-place calls below this many bytes (set_fast sets it)"},
     {"limit_in", T_LONGLONG, offsetof(Engine, limit_in), READONLY, "... and in-place ones below this"},
     {"seq", T_LONGLONG, offsetof(Engine, seq), 0, "the flight recorder's sequence number"},
     {"recording", T_INT, offsetof(Engine, recording), 0, "0: skip the recorder's stores"},
+    {"checking", T_INT, offsetof(Engine, checking), 0,
+     "0: calls carry no signature (set_signature turns it on)"},
     {"spin_ns", T_LONGLONG, offsetof(Engine, spin_ns), 0, "a wait spins this long first"},
     {"yield_ns", T_LONGLONG, offsetof(Engine, yield_ns), 0, "then spins or yields this long, then sleeps"},
     {"yield_always", T_INT, offsetof(Engine, yield_always), 0,
@@ -878,6 +1046,7 @@ static PyTypeObject EngineType = {
     .tp_clear = (inquiry)Engine_clear,
     .tp_methods = Engine_methods,
     .tp_members = Engine_members,
+    .tp_getset = Engine_getset,
 };
 
 /* same_items(a, b): whether two sequences hold the very same objects, in order (the

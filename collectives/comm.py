@@ -11,10 +11,19 @@ What is checked, and when:
   reduce_scatter, alltoall), ops that make no sense for the dtype (average of ints).
 * always in ``gatherv``/``allgatherv``: dtype and trailing shape agree on all ranks
   (the per-rank lengths are exchanged anyway, the signature rides along).
-* only with ``DTRUN_CHECK=1`` (or ``Comm(check=True)``): before each collective the
-  ranks exchange (operation, dtype, element count, op, root) and every rank raises
-  ``MismatchError`` naming the ranks that disagree. Without it a mismatch is
-  undefined behaviour in MPI: a truncation error, wrong values, or a hang.
+* always, across ranks (unless ``DTRUN_CHECK=0``): each collective's signature
+  (operation, dtype, element count, reduction op, root, allreduce path; for
+  grouped_allreduce the number of arrays and each one's dtype and count), carried in
+  the first exchange every path makes (signature.py): beside the counter of the
+  compiled engine's first synchronisation on one host (free for the shm1/shm2 paths;
+  one shared-memory synchronisation before any other path, so a rank on another path
+  meets it), else one 48-byte MPI allreduce before the call. Ranks that disagree all
+  raise ``MismatchError`` naming what each passed, before any data moves. Non-blocking
+  calls compare through an ``Iallgather`` checked at ``wait()``: a non-blocking call
+  against a blocking one is not detected (MPI forbids the pairing).
+* with ``DTRUN_CHECK=1`` (or ``Comm(check=True)``): before each collective the
+  ranks also allgather (operation, dtype, element count, op, root) and every rank raises
+  ``MismatchError`` naming the ranks that disagree (a whole extra collective per call).
 """
 
 from __future__ import annotations
@@ -29,8 +38,9 @@ import numpy as np
 from . import dtypes as _dt
 from ._mpi import MPI
 from .errors import (CollectiveError, MismatchError, MPIError, NotContiguousError,
-                     ShapeError, UnsupportedDtypeError)
+                     OverlapError, ReadOnlyError, ShapeError, UnsupportedDtypeError)
 from . import recorder as _rec
+from . import signature as _sig
 from .handle import Handle
 from . import tuning as _tuning
 from .ring import Ring
@@ -57,6 +67,7 @@ _OP_CODES = {name: i for i, name in enumerate(
      "allgatherv", "reduce_scatter", "alltoall", "barrier", "grouped_allreduce"])}
 _REDOP_CODES = {None: 0, SUM: 1, PROD: 2, MIN: 3, MAX: 4, AVG: 5}
 _REC_MASK = _rec.MASK
+_INSIDE = _rec.INSIDE_WORD
 _REC_COUNT_MAX = (1 << _rec.COUNT_BITS) - 1
 # The process's first Comm over MPI.COMM_WORLD owns the flight recorder.
 _REC_TAKEN = [False]
@@ -69,6 +80,45 @@ def _same_items(a: Sequence[Any], b: Sequence[Any]) -> bool:
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _env_off(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("0", "false", "no", "off")
+
+
+# Path bits of an allreduce signature, by path name.
+_PATH_BITS = {p: _sig.meta("allreduce", path=p) & ~_sig.meta("allreduce") for p in _tuning.PATHS}
+
+
+class _Checked:
+    """A non-blocking collective whose signature exchange (an ``Iallgather`` started just
+    before it) is checked before its own completion is waited for: a mismatch raises on
+    every rank's ``wait()``/``test()`` instead of waiting for data that never matches."""
+
+    __slots__ = ("comm", "sig_req", "table", "data", "op", "checked")
+
+    def __init__(self, comm, sig_req, table, data, op: str) -> None:
+        self.comm, self.sig_req, self.table, self.data, self.op = comm, sig_req, table, data, op
+        self.checked = False
+
+    def _verdict(self) -> None:
+        self.checked = True
+        t = self.table
+        if (t != t[0]).any():
+            raise self.comm._mismatch(self.op, t.tolist())
+
+    def Wait(self) -> None:  # noqa: N802
+        if not self.checked:
+            self.sig_req.Wait()
+            self._verdict()
+        self.data.Wait()
+
+    def Test(self) -> bool:  # noqa: N802
+        if not self.checked:
+            if not self.sig_req.Test():
+                return False
+            self._verdict()
+        return self.data.Test()
 
 
 class Comm:
@@ -94,6 +144,8 @@ class Comm:
             ``DTRUN_SHM_CHUNK``, else measured).
         path: take this allreduce path at every size ("mpi", "shm", "shm+hierarchical",
             "shm+ring", "ring"; default: env ``DTRUN_ALLREDUCE_PATH``, else measured).
+        signatures: compare each collective's signature in its first exchange (default:
+            on, unless env ``DTRUN_CHECK=0``); see the module doc.
 
     The allreduce path for each size (MPI, shared memory with a chunk size,
     hierarchical, ring) is measured at creation on hosts where there is a choice, and
@@ -105,7 +157,7 @@ class Comm:
     def __init__(self, mpi_comm: MPI.Intracomm | None = None, *, check: bool | None = None,
                  shm: bool | None = None, node_comm: MPI.Intracomm | None = None,
                  shm_threshold: int | None = None, shm_chunk: int | None = None,
-                 path: str | None = None) -> None:
+                 path: str | None = None, signatures: bool | None = None) -> None:
         comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         self.mpi = comm
         self.rank = comm.Get_rank()
@@ -128,6 +180,10 @@ class Comm:
         self._uniform_nodes = len(set(int(v) for v in table[:, 1])) == 1
 
         self._check = _env_flag("DTRUN_CHECK") if check is None else bool(check)
+        self._sig_on = (not _env_off("DTRUN_CHECK")) if signatures is None else bool(signatures)
+        self._sigbuf = np.zeros(6, dtype=np.int64)  # [w0, w1, w2, -w0, -w1, -w2]
+        self._sigbase: dict[tuple, int] = {}
+        self._group_pending: Sequence[Any] | None = None  # grouped_allreduce's list, for messages
         self.fusion_threshold = env_bytes("DTRUN_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)
         use_shm = (os.environ.get("DTRUN_SHM", "1").strip() != "0") if shm is None else shm
         self._shm: ShmReducer | None = None
@@ -151,6 +207,11 @@ class Comm:
         if _shm1.available():
             node = node_comm if self._shm is not None and self.nnodes == 1 else None
             self._engine, self._engine_win = _shm1.engine(node, Comm.allreduce.__get__(self))
+            if self._engine_win is not None:
+                self._engine.set_signature(
+                    tuple(_sig.meta("allreduce", name) for name in _shm1.TYPE_NAMES),
+                    _sig.REDOP_SHIFT, _sig.PATH_SHIFT, self._engine_mismatch)
+                self._engine.checking = int(self._sig_on)
         self._opcache: dict[tuple[np.dtype, str], tuple] = {}
         self._fusion_bufs: dict[np.dtype, np.ndarray] = {}
         self._group_plans: dict[tuple, tuple] = {}
@@ -159,6 +220,7 @@ class Comm:
         self._seq = 0
         self._rec = None  # ring view of the flight recorder, when this Comm owns it
         self._rec_map = None
+        self._hdr = None  # its header: word INSIDE_WORD is 1 while inside a blocking collective
         self._paths = self._select_paths(use_shm, shm_threshold, shm_chunk, path)
         self._rec_store = self._py_rec_store
         if not _REC_TAKEN[0] and comm == MPI.COMM_WORLD:
@@ -166,11 +228,13 @@ class Comm:
             if ring is not None:
                 _REC_TAKEN[0] = True
                 self._rec_map, self._rec = ring
+                self._hdr = _rec.header(self._rec_map)
                 if self._engine is not None:
                     addr = np.frombuffer(self._rec, dtype=np.int64).ctypes.data
                     descs = tuple(_rec.OP_BITS["allreduce"] | _rec.dtype_bits(name)
                                   for name in _shm1.TYPE_NAMES)
-                    self._engine.set_recorder(addr, _REC_MASK, descs, _REC_COUNT_MAX)
+                    flag = np.frombuffer(self._hdr, dtype=np.int64).ctypes.data + 8 * _INSIDE
+                    self._engine.set_recorder(addr, _REC_MASK, descs, _REC_COUNT_MAX, flag)
                     self._rec_store = self._engine.note
         if self._engine_win is not None:
             self._fast_limits()
@@ -187,6 +251,18 @@ class Comm:
     def check(self, value: bool) -> None:
         self._check = bool(value)
         self._fast_limits()
+
+    @property
+    def signatures(self) -> bool:
+        """Whether each collective's signature rides in its first exchange (on unless
+        ``DTRUN_CHECK=0``). Collective in effect: set it alike on every rank."""
+        return self._sig_on
+
+    @signatures.setter
+    def signatures(self, value: bool) -> None:
+        self._sig_on = bool(value)
+        if self._engine is not None and self._engine_win is not None:
+            self._engine.checking = int(self._sig_on)
 
     def _fast_limits(self) -> None:
         """The sizes the compiled allreduce takes without entering Python: those below the
@@ -246,17 +322,25 @@ class Comm:
                          inplace: bool) -> None:
         """One float32 sum allreduce of ``src`` into ``dst`` along candidate path ``cand``."""
         t, mop, kern, finish, _, _ = self._redop(src, SUM, "allreduce")
-        self._via(cand[0], cand[1], src, dst, inplace, t, mop, kern, finish, SUM)
+        # Timed with the signature it carries in use, as every call pays it.
+        sig = (self._sig_meta(src.dtype, SUM) | _PATH_BITS[cand[0]], src.size, 0) \
+            if self._sig_on else None
+        self._via(cand[0], cand[1], src, dst, inplace, t, mop, kern, finish, SUM, sig)
 
     def _via(self, path: str, chunk: int, src: np.ndarray, dst: np.ndarray, inplace: bool,
-             t, mop, kern, finish, canon: str) -> None:
-        """Allreduce ``src`` into ``dst`` (the same array when ``inplace``) along ``path``."""
+             t, mop, kern, finish, canon: str, sig: tuple | None = None) -> None:
+        """Allreduce ``src`` into ``dst`` (the same array when ``inplace``) along ``path``;
+        ``sig``: the signature the first exchange carries (None: no check)."""
         if path == "shm1" or path == "shm2":
-            # The compiled engine; a dtype it does not reduce (float16, bfloat16, complex)
-            # takes the Python shared-memory path (all ranks alike: same dtype everywhere).
-            if self._engine.reduce(src, dst, canon, path == "shm2"):
+            # The compiled engine, whose first synchronisation carries the signature; a
+            # dtype it does not reduce (float16, bfloat16, complex) takes the Python
+            # shared-memory path after the same check (a rank of another dtype may be in
+            # the engine: it meets this one there).
+            if self._engine.reduce(src, dst, canon, path == "shm2", sig):
                 return
             path, chunk = "shm", DEFAULT_SHM_CHUNK
+        if sig is not None:
+            self._light(sig, "allreduce")
         if path == "mpi":
             self.mpi.Allreduce(IN_PLACE if inplace else [src, t], [dst, t], mop)
             if finish is not None:
@@ -318,8 +402,10 @@ class Comm:
         self._opcache[(x.dtype, op)] = entry
         return entry
 
-    def _out(self, x: np.ndarray, out: Any, shape: tuple, op: str, xp=np) -> Any:
-        """Allocate ``out`` or check the one given (shape, dtype, contiguity)."""
+    def _out(self, x: np.ndarray, out: Any, shape: tuple, op: str, xp=np,
+             overlap_ok: bool = False) -> Any:
+        """Allocate ``out`` or check the one given (shape, dtype, contiguity, writable, and
+        not overlapping ``x`` unless ``overlap_ok``)."""
         if out is None:
             return xp.empty(shape, dtype=x.dtype)
         if out.dtype != x.dtype or tuple(out.shape) != tuple(shape):
@@ -328,7 +414,28 @@ class Comm:
                             f"shape {tuple(shape)} dtype {x.dtype}")
         if not out.flags.c_contiguous:
             raise self._err(NotContiguousError, op, "out is not C-contiguous")
+        if xp is np and isinstance(out, np.ndarray):
+            if not out.flags.writeable:
+                raise self._err(ReadOnlyError, op, "out is read-only; pass a writable array")
+            if not overlap_ok:
+                self._no_overlap(x, out, op)
         return out
+
+    def _no_overlap(self, x: np.ndarray, out: np.ndarray, op: str) -> None:
+        """Refuse an ``out`` that shares memory with ``x`` without being it: the result
+        would be computed from input the call has already overwritten. Both are
+        C-contiguous, so overlapping bounds are overlapping memory (exact)."""
+        if out is not x and np.may_share_memory(x, out):
+            raise self._err(OverlapError, op,
+                            "out overlaps x (they share memory but are not the same array); "
+                            "pass out=x or inplace=True for in place, or a separate array")
+
+    def _writable(self, x: np.ndarray, op: str, what: str = "x") -> None:
+        """Refuse to write a result into a read-only array (e.g. one over ``bytes``)."""
+        if not x.flags.writeable:
+            raise self._err(ReadOnlyError, op,
+                            f"{what} is read-only (e.g. np.frombuffer over bytes) and would "
+                            "receive the result; pass a writable copy (x.copy())")
 
     def _rows(self, x: np.ndarray, op: str) -> int:
         """Rows per rank when axis 0 of ``x`` is split evenly over the ranks."""
@@ -364,7 +471,24 @@ class Comm:
                                    for k, v in enumerate(col))
                 diffs.append(f"{name} differs ({detail})")
         if diffs:
-            raise self._err(MismatchError, opname, "; ".join(diffs))
+            rows = []
+            for k in range(self.size):
+                kind, dtype, count, redop, at = (self._describe(f, int(v)) for f, v in
+                                                 zip(fields, table[k]))
+                rows.append((_sig.meta(kind if kind in _sig.KINDS else "allreduce",
+                                       None if x is None else dtype,
+                                       redop if redop in _sig.REDOPS else None, None,
+                                       int(table[k, 4])), int(table[k, 2]), 0))
+            raise self._err(MismatchError, opname, "; ".join(diffs) + " — " + _sig.explain(rows))
+
+    def _full_words(self, opname: str, words: tuple) -> None:
+        """DTRUN_CHECK mode for a signature in words (grouped_allreduce): allgather every
+        rank's and raise MismatchError on every rank when any differs."""
+        mine = np.array(words, dtype=np.int64)
+        table = np.empty((self.size, 3), dtype=np.int64)
+        self.mpi.Allgather(mine, table)
+        if (table != table[0]).any():
+            raise self._mismatch(opname, table.tolist())
 
     @staticmethod
     def _describe(field: str, value: int) -> str:
@@ -378,6 +502,84 @@ class Comm:
         if field == "reduction op":
             return next((str(k) for k, v in _REDOP_CODES.items() if v == value), str(value))
         return str(value)
+
+    def _sig_meta(self, dtype: np.dtype, canon: str | None, kind: str = "allreduce",
+                  root: int = -1) -> int:
+        """``w0`` of a signature (signature.py); cached per (kind, dtype, op, root)."""
+        key = (kind, dtype, canon, root)
+        w = self._sigbase.get(key)
+        if w is None:
+            w = self._sigbase[key] = _sig.meta(kind, None if dtype is None else
+                                              _dt.dtype_name(dtype), canon, None, root)
+        return w
+
+    def _light(self, words: tuple, opname: str) -> None:
+        """The signature check a path without its own carrier makes first: one
+        synchronisation of the compiled engine on one host (a rank whose call took the
+        engine meets it there), else a 48-byte MAX allreduce of the words and their
+        negations (all equal iff max == -max of the negations)."""
+        if self._engine_win is not None:
+            self._engine.check(words)
+            return
+        if self.size == 1:
+            return
+        w0, w1, w2 = words
+        buf = self._sigbuf
+        buf[:] = (w0, w1, w2, -w0, -w1, -w2)
+        self.mpi.Allreduce(IN_PLACE, buf, MPI.MAX)
+        if buf[0] != -buf[3] or buf[1] != -buf[4] or buf[2] != -buf[5]:
+            mine = np.array(words, dtype=np.int64)
+            table = np.empty((self.size, 3), dtype=np.int64)
+            self.mpi.Allgather(mine, table)
+            raise self._mismatch(opname, table.tolist())
+
+    def _sig_start(self, words: tuple) -> tuple:
+        """The non-blocking form: (request, table) of an Iallgather of the words."""
+        mine = np.array(words, dtype=np.int64)
+        table = np.empty((self.size, 3), dtype=np.int64)
+        return self.mpi.Iallgather(mine, table), table, mine
+
+    def _engine_mismatch(self, rows: list) -> None:
+        """The engine's callback when the ranks' signatures differ (one host: local ranks
+        are the communicator's ranks): raise MismatchError on this rank."""
+        kind = _sig.KINDS[(rows[self.local_rank][0] >> _sig.KIND_SHIFT) & 31] or "collective"
+        raise self._mismatch(kind, rows)
+
+    def _mismatch(self, opname: str, rows: list) -> MismatchError:
+        """MismatchError naming every rank's signature (``rows[rank]``); for lists of
+        grouped_allreduce arrays also the first array that differs (one more exchange,
+        which every rank makes: they all see the same rows)."""
+        text = ("ranks called with different arguments: " + _sig.explain(rows) +
+                "; every rank must make the same collective calls, in the same order, with "
+                "the same dtypes, element counts, ops and roots")
+        kinds = {(int(r[0]) >> _sig.KIND_SHIFT) & 31 for r in rows}
+        if kinds == {_sig.KINDS.index("grouped_allreduce")}:
+            text += self._first_group_difference()
+        return self._err(MismatchError, opname, text)
+
+    def _first_group_difference(self) -> str:
+        """Where the ranks' grouped_allreduce lists first differ (collective)."""
+        arrays = self._group_pending or []
+        mine = np.array([[_sig._DTYPE.get(_dt.dtype_name(a.dtype), 0), a.size] for a in arrays],
+                        dtype=np.int64).reshape(-1, 2)
+        lengths = np.empty(self.size, dtype=np.int64)
+        self.mpi.Allgather(np.array([len(mine)], dtype=np.int64), lengths)
+        table = np.empty((int(lengths.sum()), 2), dtype=np.int64)
+        counts = [int(v) * 2 for v in lengths]
+        displs = [sum(counts[:k]) for k in range(self.size)]
+        self.mpi.Allgatherv(mine, [table, (counts, displs), MPI.INT64_T])
+        starts = np.concatenate(([0], np.cumsum(lengths)))
+        lists = [table[starts[k]:starts[k + 1]] for k in range(self.size)]
+        for i in range(int(lengths.max()) if len(lengths) else 0):
+            cells = [tuple(lst[i]) if i < len(lst) else None for lst in lists]
+            if len(set(cells)) > 1:
+                def show(c):
+                    return "no such array" if c is None else \
+                        f"{c[1]} x {_sig._DTYPES[c[0]] if c[0] < len(_sig._DTYPES) else '?'}"
+                return (f"; first difference at array {i}: " +
+                        ", ".join(f"rank {k}: {show(c)}" for k, c in enumerate(cells)))
+        return ("; the arrays agree in dtype and count: the op or fusion_threshold "
+                "differs")
 
     def _note(self, opname: str, x: np.ndarray | None, redop: str | None = None,
               root: int = -1) -> None:
@@ -408,11 +610,12 @@ class Comm:
         sub = self.mpi.Split(MPI.UNDEFINED if color is None else int(color), key)
         if sub == MPI.COMM_NULL:
             return None
-        return Comm(sub, check=self.check, shm=self._shm is not None)
+        return Comm(sub, check=self.check, shm=self._shm is not None, signatures=self._sig_on)
 
     def split_by_node(self) -> "Comm":
         """Sub-communicator of the ranks on this host (collective)."""
-        return Comm(self._node_comm.Dup(), check=self.check, shm=self._shm is not None)
+        return Comm(self._node_comm.Dup(), check=self.check, shm=self._shm is not None,
+                    signatures=self._sig_on)
 
     def allreduce_path(self, nbytes: int, inplace: bool = False) -> str:
         """Which path a host allreduce of ``nbytes`` takes: "mpi" (MPI_Allreduce), "shm"
@@ -479,25 +682,42 @@ class Comm:
         n = self.size
         return lambda r: xp.true_divide(r, n, out=r)
 
-    def _run(self, opname: str, c: "_Op") -> Any:
-        """The blocking form of a set-up collective: call MPI, complete the result."""
+    def _run(self, opname: str, c: "_Op", sig: tuple | None = None) -> Any:
+        """The blocking form of a set-up collective: compare ``sig`` (signature words),
+        call MPI, complete the result."""
         call, args, result, finish = c
+        h = self._hdr  # the recorder's flag: this rank is inside a collective (waiting, mostly)
+        if h is not None:
+            h[_INSIDE] = 1
         try:
-            getattr(self.mpi, call)(*args)
-        except MPI.Exception as e:  # the one translation for every collective (hot path: no `with`)
-            raise self._mpi_error(opname, e) from None
+            if sig is not None and self._sig_on:
+                self._light(sig, opname)
+            try:
+                getattr(self.mpi, call)(*args)
+            except MPI.Exception as e:  # the one translation for every collective (hot path: no `with`)
+                raise self._mpi_error(opname, e) from None
+        finally:
+            if h is not None:
+                h[_INSIDE] = 0
         if finish is not None and result is not None:
             finish(result)
         return result
 
-    def _start(self, opname: str, c: "_Op", keep: Any) -> Handle:
-        """The non-blocking form of the same set-up: MPI_I…, completed when the handle is."""
+    def _start(self, opname: str, c: "_Op", keep: Any, sig: tuple | None = None) -> Handle:
+        """The non-blocking form of the same set-up: MPI_I…, completed when the handle is;
+        ``sig`` is compared through an Iallgather started first and checked at wait()."""
         call, args, result, finish = c
         post = None
         if finish is not None and result is not None:
             post = lambda r: (finish(r), r)[1]  # noqa: E731
         with self._errors(opname):
+            checked = sig is not None and self._sig_on and self.size > 1
+            if checked:
+                sig_req, table, mine = self._sig_start(sig)
             request = getattr(self.mpi, _NONBLOCKING[call])(*args)
+        if checked:
+            request = _Checked(self, sig_req, table, request, opname)
+            keep = (keep, mine)
         return Handle(request, result, post, keep=keep, op=opname)
 
     # ---------------------------------------------------------------- point to point
@@ -553,8 +773,23 @@ class Comm:
             self._signature("barrier", None)
         if self._rec is not None:
             self._note("barrier", None)
-        with self._errors("barrier"):
-            self.mpi.Barrier()
+        h = self._hdr
+        if h is not None:
+            h[_INSIDE] = 1
+        try:
+            if self._sig_on:
+                self._light((_sig.meta("barrier"), 0, 0), "barrier")
+            with self._errors("barrier"):
+                self.mpi.Barrier()
+        finally:
+            if h is not None:
+                h[_INSIDE] = 0
+
+    def set_wait_timing(self, on: bool) -> None:
+        """Turn the recorder's "inside a collective" flag on or off (benchmarks compare both)."""
+        self._hdr = _rec.header(self._rec_map) if on and self._rec_map is not None else None
+        if self._engine is not None:
+            self._engine.timing = int(bool(on))
 
     def allreduce(self, x: Any, op: str = SUM, out: Any = None, inplace: bool = False) -> Any:
         """Reduce ``x`` over all ranks with ``op`` (sum, prod, min, max, avg); every rank
@@ -574,6 +809,8 @@ class Comm:
         if self._rec is not None:  # flight recorder
             self._rec_store(rbits | min(x.size, _REC_COUNT_MAX))
         if inplace or out is x:
+            if not x.flags.writeable:
+                self._writable(x, "allreduce")
             out, send = x, IN_PLACE
         elif out is None:
             out, send = np.empty(x.shape, x.dtype), [x, t]
@@ -581,18 +818,35 @@ class Comm:
             if type(out) is not np.ndarray or out.dtype != x.dtype or out.shape != x.shape \
                     or not out.flags.c_contiguous:
                 out = self._out(x, out, x.shape, "allreduce")  # raises, or a valid foreign out
+            elif not out.flags.writeable:
+                self._writable(out, "allreduce", "out")
+            else:
+                self._no_overlap(x, out, "allreduce")
             send = [x, t]
         paths = self._paths
-        if x.nbytes >= paths.floor:  # small messages: this one comparison
-            path, chunk = paths.pick(x.nbytes, send is IN_PLACE)
-            if path != "mpi":
-                with self._errors("allreduce"):
-                    self._via(path, chunk, x, out, send is IN_PLACE, t, mop, kern, finish, canon)
-                return out
+        h = self._hdr  # the recorder's flag, as in _run
+        if h is not None:
+            h[_INSIDE] = 1
         try:
-            self.mpi.Allreduce(send, [out, t], mop)
-        except MPI.Exception as e:
-            raise self._mpi_error("allreduce", e) from None
+            if x.nbytes >= paths.floor:  # small messages: this one comparison
+                path, chunk = paths.pick(x.nbytes, send is IN_PLACE)
+                if path != "mpi":
+                    sig = (self._sig_meta(x.dtype, canon) | _PATH_BITS[path], x.size, 0) \
+                        if self._sig_on else None
+                    with self._errors("allreduce"):
+                        self._via(path, chunk, x, out, send is IN_PLACE, t, mop, kern, finish,
+                                  canon, sig)
+                    return out
+            if self._sig_on:
+                self._light((self._sig_meta(x.dtype, canon) | _PATH_BITS["mpi"], x.size, 0),
+                            "allreduce")
+            try:
+                self.mpi.Allreduce(send, [out, t], mop)
+            except MPI.Exception as e:
+                raise self._mpi_error("allreduce", e) from None
+        finally:
+            if h is not None:
+                h[_INSIDE] = 0
         if finish is not None:
             finish(out)
         return out
@@ -606,24 +860,36 @@ class Comm:
         if self._rec is not None:  # flight recorder
             self._rec_store(rbits | min(x.size, _REC_COUNT_MAX))
         if inplace or out is x:
+            if xp is np:
+                self._writable(x, opname)
             out, send = x, IN_PLACE
         else:
             out, send = self._out(x, out, x.shape, opname, xp), [x, t]
         return ("Allreduce", (send, [out, t], mop), out,
                 finish if finish is None or xp is np else self._finisher(finish, xp))
 
-    def _allreduce(self, x, op, out, inplace, xp):
+    def _allreduce(self, x, op, out, inplace, xp, sig: Any = True):
+        """``sig``: True: this call's own signature; None: none (a grouped_allreduce step
+        after the first, whose list every rank already compared); or the words to carry."""
         c = self._allreduce_op(x, op, out, inplace, xp, "allreduce")
         paths = self._paths
+        own = sig is True
+        if own and not self._sig_on:
+            sig = None
         if x.nbytes >= paths.floor and xp is np:  # small messages: one comparison
             out = c[2]
             path, chunk = paths.pick(x.nbytes, out is x)
             if path != "mpi":
                 t, mop, kern, finish, canon, _ = self._redop(x, op, "allreduce")  # cached
+                if own and sig is not None:
+                    sig = (self._sig_meta(x.dtype, canon) | _PATH_BITS[path], x.size, 0)
                 with self._errors("allreduce"):
-                    self._via(path, chunk, x, out, out is x, t, mop, kern, finish, canon)
+                    self._via(path, chunk, x, out, out is x, t, mop, kern, finish, canon, sig)
                 return out
-        return self._run("allreduce", c)
+        if own and sig is not None:
+            canon = self._redop(x, op, "allreduce")[4]
+            sig = (self._sig_meta(x.dtype, canon) | _PATH_BITS["mpi"], x.size, 0)
+        return self._run("allreduce", c, sig)
 
     def iallreduce(self, x: Any, op: str = SUM, out: Any = None, inplace: bool = False) -> Handle:
         """Non-blocking allreduce (MPI_Iallreduce); ``wait()`` returns the result."""
@@ -632,7 +898,18 @@ class Comm:
         return self._iallreduce(x, op, out, inplace, np)
 
     def _iallreduce(self, x, op, out, inplace, xp):
-        return self._start("iallreduce", self._allreduce_op(x, op, out, inplace, xp, "iallreduce"), x)
+        c = self._allreduce_op(x, op, out, inplace, xp, "iallreduce")
+        return self._start("iallreduce", c, x, self._words("allreduce", x, op))
+
+    def _words(self, kind: str, x: Any, op: str | None = None, root: int = -1,
+               count: int | None = None) -> tuple | None:
+        """The signature words of collective ``kind`` on ``x`` (None when checks are off)."""
+        if not self._sig_on:
+            return None
+        canon = _dt.OP_ALIASES.get(str(op).lower()) if op is not None else None
+        dtype = None if x is None else x.dtype
+        return (self._sig_meta(dtype, canon, kind, root),
+                (0 if x is None else x.size) if count is None else count, 0)
 
     def reduce(self, x: Any, op: str = SUM, root: int = 0, out: Any = None,
                inplace: bool = False) -> Any:
@@ -651,20 +928,24 @@ class Comm:
         if self.rank != root:
             return ("Reduce", ([x, t], None, mop, root), None, None)
         if inplace or out is x:
+            if xp is np:
+                self._writable(x, opname)
             out, send = x, IN_PLACE
         else:
             out, send = self._out(x, out, x.shape, opname, xp), [x, t]
         return ("Reduce", (send, [out, t], mop, root), out, self._finisher(finish, xp))
 
     def _reduce(self, x, op, root, out, inplace, xp):
-        return self._run("reduce", self._reduce_op(x, op, root, out, inplace, xp, "reduce"))
+        return self._run("reduce", self._reduce_op(x, op, root, out, inplace, xp, "reduce"),
+                         self._words("reduce", x, op, root))
 
     def ireduce(self, x: Any, op: str = SUM, root: int = 0, out: Any = None,
                 inplace: bool = False) -> Handle:
         """Non-blocking reduce; ``wait()`` returns the result on root, None elsewhere."""
         if type(x) is not np.ndarray:
             return self._foreign("ireduce", x, op=op, root=root, out=out, inplace=inplace)
-        return self._start("ireduce", self._reduce_op(x, op, root, out, inplace, np, "ireduce"), x)
+        return self._start("ireduce", self._reduce_op(x, op, root, out, inplace, np, "ireduce"), x,
+                           self._words("reduce", x, op, root))
 
     def broadcast(self, x: Any, root: int = 0, out: Any = None, inplace: bool = False) -> Any:
         """Copy root's ``x`` to every rank. Non-root ranks pass an array of the same
@@ -680,21 +961,26 @@ class Comm:
         if self._rec is not None:
             self._note("broadcast", x, None, root)
         if not (inplace or out is x):
-            out = self._out(x, out, x.shape, opname, xp)
+            # copyto handles overlapping memory, so an out overlapping x is still correct
+            out = self._out(x, out, x.shape, opname, xp, overlap_ok=True)
             if self.rank == root:
                 xp.copyto(out, x)
         else:
+            if xp is np and self.rank != root:
+                self._writable(x, opname)
             out = x
         return ("Bcast", ([out, t], root), out, None)
 
     def _broadcast(self, x, root, out, inplace, xp):
-        return self._run("broadcast", self._broadcast_op(x, root, out, inplace, xp, "broadcast"))
+        return self._run("broadcast", self._broadcast_op(x, root, out, inplace, xp, "broadcast"),
+                         self._words("broadcast", x, None, root))
 
     def ibroadcast(self, x: Any, root: int = 0, out: Any = None, inplace: bool = False) -> Handle:
         """Non-blocking broadcast (MPI_Ibcast)."""
         if type(x) is not np.ndarray:
             return self._foreign("ibroadcast", x, root=root, out=out, inplace=inplace)
-        return self._start("ibroadcast", self._broadcast_op(x, root, out, inplace, np, "ibroadcast"), x)
+        return self._start("ibroadcast", self._broadcast_op(x, root, out, inplace, np, "ibroadcast"),
+                           x, self._words("broadcast", x, None, root))
 
     def scatter(self, x: Any, root: int = 0, out: Any = None, inplace: bool = False) -> Any:
         """Split root's ``x`` along axis 0 into ``size`` equal parts; rank i gets part i.
@@ -720,7 +1006,9 @@ class Comm:
                 self._signature("scatter", out, None, root)
             if self._rec is not None:
                 self._note("scatter", out, None, root)
-            return self._run("scatter", ("Scatter", (None, [out, t], root), out, None))
+            self._writable(out, "scatter", "out")
+            return self._run("scatter", ("Scatter", (None, [out, t], root), out, None),
+                             self._words("scatter", out, None, root))
         t = self._type(x, "scatter")
         rows = self._rows(x, "scatter")
         if self.check:
@@ -728,11 +1016,17 @@ class Comm:
         if self._rec is not None:
             self._note("scatter", x, None, root)
         part = x[self.rank * rows:(self.rank + 1) * rows]
+        sig = self._words("scatter", x, None, root, x.size // self.size)
         if inplace:
+            if xp is np and not is_root:
+                self._writable(x, "scatter")
             args = ([x, t], IN_PLACE, root) if is_root else (None, [part, t], root)
-            return self._run("scatter", ("Scatter", args, part, None))
-        out = self._out(x, out, (rows,) + tuple(x.shape[1:]), "scatter", xp)
-        return self._run("scatter", ("Scatter", ([x, t] if is_root else None, [out, t], root), out, None))
+            return self._run("scatter", ("Scatter", args, part, None), sig)
+        # Only root reads x: elsewhere an out over x's memory overlaps nothing read.
+        out = self._out(x, out, (rows,) + tuple(x.shape[1:]), "scatter", xp,
+                        overlap_ok=not is_root)
+        return self._run("scatter", ("Scatter", ([x, t] if is_root else None, [out, t], root), out,
+                                     None), sig)
 
     def gather(self, x: Any, root: int = 0, out: Any = None, inplace: bool = False) -> Any:
         """Concatenate every rank's ``x`` along axis 0 on ``root`` (equal shapes).
@@ -753,15 +1047,19 @@ class Comm:
         is_root = self.rank == root
         if inplace:
             rows = self._rows(x, "gather")
+            sig = self._words("gather", x, None, root, x.size // self.size)
             if is_root:
-                return self._run("gather", ("Gather", (IN_PLACE, [x, t], root), x, None))
+                if xp is np:
+                    self._writable(x, "gather")
+                return self._run("gather", ("Gather", (IN_PLACE, [x, t], root), x, None), sig)
             part = x[self.rank * rows:(self.rank + 1) * rows]
-            return self._run("gather", ("Gather", ([part, t], None, root), None, None))
+            return self._run("gather", ("Gather", ([part, t], None, root), None, None), sig)
+        sig = self._words("gather", x, None, root)
         if is_root:
             shape = (self.size * (x.shape[0] if x.ndim else 1),) + tuple(x.shape[1:])
             out = self._out(x, out, shape, "gather", xp)
-            return self._run("gather", ("Gather", ([x, t], [out, t], root), out, None))
-        return self._run("gather", ("Gather", ([x, t], None, root), None, None))
+            return self._run("gather", ("Gather", ([x, t], [out, t], root), out, None), sig)
+        return self._run("gather", ("Gather", ([x, t], None, root), None, None), sig)
 
     def allgather(self, x: Any, out: Any = None, inplace: bool = False) -> Any:
         """Concatenate every rank's ``x`` (equal shapes) along axis 0, on every rank.
@@ -781,27 +1079,42 @@ class Comm:
             self._note("allgather", x)
         if inplace or out is x:
             self._rows(x, opname)
+            if xp is np:
+                self._writable(x, opname)
             return ("Allgather", (IN_PLACE, [x, t]), x, None)
         shape = (self.size * (x.shape[0] if x.ndim else 1),) + tuple(x.shape[1:])
         out = self._out(x, out, shape, opname, xp)
         return ("Allgather", ([x, t], [out, t]), out, None)
 
     def _allgather(self, x, out, inplace, xp):
-        return self._run("allgather", self._allgather_op(x, out, inplace, xp, "allgather"))
+        return self._run("allgather", self._allgather_op(x, out, inplace, xp, "allgather"),
+                         self._words("allgather", x, count=self._part(x, inplace or out is x)))
+
+    def _part(self, x, full: bool) -> int:
+        """Elements one rank contributes: all of ``x``, or its share when ``x`` is the
+        full-size in-place array."""
+        return x.size // self.size if full else x.size
 
     def iallgather(self, x: Any, out: Any = None, inplace: bool = False) -> Handle:
         """Non-blocking allgather (MPI_Iallgather)."""
         if type(x) is not np.ndarray:
             return self._foreign("iallgather", x, out=out, inplace=inplace)
-        return self._start("iallgather", self._allgather_op(x, out, inplace, np, "iallgather"), x)
+        return self._start("iallgather", self._allgather_op(x, out, inplace, np, "iallgather"), x,
+                           self._words("allgather", x, count=self._part(x, inplace or out is x)))
 
-    def _counts(self, x: np.ndarray, opname: str) -> tuple[list[int], list[int], list[int]]:
-        """Exchange per-rank row counts plus dtype/trailing shape; raise on mismatch."""
+    def _counts(self, x: np.ndarray, opname: str, root: int = -1,
+                ) -> tuple[list[int], list[int], list[int]]:
+        """Exchange per-rank row counts plus dtype/trailing shape and the call's signature
+        (operation, root); raise on mismatch."""
         trailing = tuple(x.shape[1:])
+        kind = "gatherv" if opname in ("gatherv", "igatherv") else "allgatherv"
         sig = np.array([x.shape[0] if x.ndim else 1, x.dtype.num * 1000 + x.dtype.itemsize,
-                        hash(trailing) & 0x7FFFFFFFFFFF], dtype=np.int64)
-        table = np.empty((self.size, 3), dtype=np.int64)
+                        hash(trailing) & 0x7FFFFFFFFFFF,
+                        self._sig_meta(None, None, kind, root)], dtype=np.int64)
+        table = np.empty((self.size, 4), dtype=np.int64)
         self.mpi.Allgather(sig, table)
+        if (table[:, 3] != table[0, 3]).any():
+            raise self._mismatch(opname, [[int(w), 0, 0] for w in table[:, 3]])
         bad = [k for k in range(self.size) if table[k, 1] != sig[1]]
         if bad:
             kinds = ", ".join(f"rank {k}: {self._describe('dtype', int(table[k, 1]))}"
@@ -851,7 +1164,7 @@ class Comm:
             self._signature("gatherv", x, None, root)
         if self._rec is not None:
             self._note("gatherv", x, None, root)
-        rows, counts, displs = self._counts(x, "gatherv")
+        rows, counts, displs = self._counts(x, "gatherv", root)
         if self.rank != root:
             return self._run("gatherv", ("Gatherv", ([x, t], None, root), None, None))
         out = self._out(x, out, (sum(rows),) + tuple(x.shape[1:]), "gatherv", xp)
@@ -874,6 +1187,8 @@ class Comm:
         if self._rec is not None:
             self._note("reduce_scatter", x, canon)
         if inplace:
+            if xp is np:
+                self._writable(x, opname)
             return ("Reduce_scatter_block", (IN_PLACE, [x, t], mop), x[:rows],
                        self._finisher(finish, xp))
         out = self._out(x, out, (rows,) + tuple(x.shape[1:]), opname, xp)
@@ -881,14 +1196,16 @@ class Comm:
 
     def _reduce_scatter(self, x, op, out, inplace, xp):
         return self._run("reduce_scatter",
-                         self._reduce_scatter_op(x, op, out, inplace, xp, "reduce_scatter"))
+                         self._reduce_scatter_op(x, op, out, inplace, xp, "reduce_scatter"),
+                         self._words("reduce_scatter", x, op))
 
     def ireduce_scatter(self, x: Any, op: str = SUM, out: Any = None) -> Handle:
         """Non-blocking reduce_scatter (MPI_Ireduce_scatter_block)."""
         if type(x) is not np.ndarray:
             return self._foreign("ireduce_scatter", x, op=op, out=out)
         return self._start("ireduce_scatter",
-                           self._reduce_scatter_op(x, op, out, False, np, "ireduce_scatter"), x)
+                           self._reduce_scatter_op(x, op, out, False, np, "ireduce_scatter"), x,
+                           self._words("reduce_scatter", x, op))
 
     def alltoall(self, x: Any, out: Any = None, inplace: bool = False) -> Any:
         """Rank i sends part j of ``x`` (axis 0 in ``size`` equal parts) to rank j and
@@ -905,18 +1222,22 @@ class Comm:
         if self._rec is not None:
             self._note("alltoall", x)
         if inplace or out is x:
+            if xp is np:
+                self._writable(x, opname)
             return ("Alltoall", (IN_PLACE, [x, t]), x, None)
         out = self._out(x, out, x.shape, opname, xp)
         return ("Alltoall", ([x, t], [out, t]), out, None)
 
     def _alltoall(self, x, out, inplace, xp):
-        return self._run("alltoall", self._alltoall_op(x, out, inplace, xp, "alltoall"))
+        return self._run("alltoall", self._alltoall_op(x, out, inplace, xp, "alltoall"),
+                         self._words("alltoall", x))
 
     def ialltoall(self, x: Any, out: Any = None) -> Handle:
         """Non-blocking alltoall (MPI_Ialltoall)."""
         if type(x) is not np.ndarray:
             return self._foreign("ialltoall", x, out=out)
-        return self._start("ialltoall", self._alltoall_op(x, out, False, np, "ialltoall"), x)
+        return self._start("ialltoall", self._alltoall_op(x, out, False, np, "ialltoall"), x,
+                           self._words("alltoall", x))
 
     # ---------------------------------------------------------------- fusion
     def grouped_allreduce(self, arrays: Sequence[Any], op: str = SUM,
@@ -952,15 +1273,25 @@ class Comm:
             if any(type(a) is not np.ndarray for a in arrays):
                 return self._foreign("grouped_allreduce", list(arrays), op=op,
                                      fusion_threshold=threshold)
-            plan = self._group_plan(arrays, threshold, key, cache=_cache)
+            plan = self._group_plan(arrays, threshold, key, op, cache=_cache)
+        # The list's signature (every array's dtype and count, the op, the threshold) rides
+        # in the first step's first exchange; once it matches, every rank has the same
+        # plan, so the later steps carry none. Computed per call: the cached plan is
+        # keyed by this rank's arrays only.
+        words = plan[2] if (self._sig_on or self.check) and op == plan[3] else \
+            (_sig.group_words(arrays, str(op), threshold) if self._sig_on or self.check else None)
+        self._group_pending = arrays
         if self.check:
-            sig = np.array([len(arrays), sum(a.size for a in arrays)], dtype=np.int64)
-            self._signature("grouped_allreduce", sig)
+            self._full_words("grouped_allreduce", words)
         if self._rec is not None:
             self._note("grouped_allreduce", None)
+        sig = words if self._sig_on else None
+        if sig is not None and not plan[0]:  # nothing to reduce here: still compare
+            self._light(sig, "grouped_allreduce")
         for step in plan[0]:
             if len(step) == 1:  # an array reduced on its own
-                self._allreduce(step[0], op, None, True, np)
+                self._allreduce(step[0], op, None, True, np, sig)
+                sig = None
                 continue
             datatype, memory, dtype, count, pairs = step
             nbytes = count * dtype.itemsize
@@ -968,12 +1299,16 @@ class Comm:
             path = self._paths.pick(nbytes, True)[0] if shm is not None else "mpi"
             if path != "mpi" and self._engine_win is not None:
                 # The compiled engine reduces the arrays where they are, as one stream
-                # (no packing); False: a dtype or op it does not do.
-                if self._engine.grouped(pairs, self._fusion_rep(dtype), op):
+                # (no packing); False: a dtype or op it does not do (no rank synchronised).
+                if self._engine.grouped(pairs, self._fusion_rep(dtype), op, sig):
+                    sig = None
                     continue
             if path.startswith("shm") and nbytes <= SINGLE_STEP_MAX:
                 # Pack straight into this rank's shared slot, unpack straight out of the
                 # shared result: no intermediate fusion buffer at all.
+                if sig is not None:
+                    self._light(sig, "grouped_allreduce")
+                    sig = None
                 rep = self._fusion_rep(dtype)
                 t, mop, kern, finish, _, _ = self._redop(rep, op, "grouped_allreduce")
                 shm.allreduce_packed(
@@ -988,7 +1323,8 @@ class Comm:
             # Pack/unpack in C through an MPI datatype describing all the arrays: a
             # Python loop over 256 small arrays costs more than the allreduce itself.
             datatype.Pack(memory, flat, 0, MPI.COMM_SELF)
-            self._allreduce(flat, op, None, True, np)
+            self._allreduce(flat, op, None, True, np, sig)
+            sig = None
             datatype.Unpack(flat, 0, memory, MPI.COMM_SELF)
         if not _cache:
             self._free_plan(plan)
@@ -1002,18 +1338,25 @@ class Comm:
         return buf
 
     def _group_plan(self, arrays: Sequence[np.ndarray], threshold: int, key: tuple,
-                    cache: bool = True) -> tuple:
+                    op: Any = SUM, cache: bool = True) -> tuple:
         """Validate ``arrays`` once and split them into fusion buffers.
 
-        Returns (steps, arrays); a step is ``(array,)`` for an array reduced alone, or
-        ``(datatype, memory, dtype, count)``: an hindexed MPI datatype covering a batch
-        and a buffer spanning it. Cached by the identity of the arrays; the cache holds
-        references to them, so an id cannot be reused by another object and the
-        addresses stay valid (NumPy arrays never move their data).
+        Returns (steps, arrays, signature words, op); a step is ``(array,)`` for an array
+        reduced alone, or ``(datatype, memory, dtype, count)``: an hindexed MPI datatype
+        covering a batch and a buffer spanning it. Cached by the identity of the arrays;
+        the cache holds references to them, so an id cannot be reused by another object
+        and the addresses stay valid (NumPy arrays never move their data). Read-only
+        arrays are refused here, when the list is first seen (a cached list is not
+        checked again: an array cannot become writable-then-read-only over ``bytes``).
         """
         groups: dict[np.dtype, list[np.ndarray]] = {}
-        for a in arrays:
+        for i, a in enumerate(arrays):
             self._type(a, "grouped_allreduce")
+            if not a.flags.writeable:
+                raise self._err(ReadOnlyError, "grouped_allreduce",
+                                f"array {i} (shape {a.shape}, {a.dtype}) is read-only (e.g. "
+                                "np.frombuffer over bytes) and would receive the result in "
+                                "place; pass a writable copy")
             groups.setdefault(a.dtype, []).append(a)
         steps: list[tuple] = []
         alone = min(threshold, FUSE_ALONE_BYTES)
@@ -1032,7 +1375,7 @@ class Comm:
                 nbytes += a.nbytes
             if batch:
                 steps.append(self._fused_step(batch, dtype))
-        plan = (steps, list(arrays))
+        plan = (steps, list(arrays), _sig.group_words(arrays, str(op), threshold), op)
         if not cache:
             return plan
         if len(self._group_plans) >= 8:

@@ -41,6 +41,14 @@ class MismatchError(CollectiveError, ValueError):
     """Ranks called the same collective with different dtypes, lengths, ops or roots."""
 
 
+class ReadOnlyError(CollectiveError, ValueError):
+    """An array the operation writes its result into is read-only (e.g. over ``bytes``)."""
+
+
+class OverlapError(CollectiveError, ValueError):
+    """``out`` shares memory with the input without being the input itself."""
+
+
 class MPIError(CollectiveError, RuntimeError):
     """MPI itself reported an error (translated from ``mpi4py.MPI.Exception``)."""
 

@@ -8,14 +8,19 @@ sequence number, operation, dtype, element count and root. dtrun's stack agent r
 file while the rank is blocked (no cooperation from the rank, no signal), so a hang report
 can say "rank 2 is in broadcast #17, the others in allreduce #17".
 
-Layout (native int64 words): ``[MAGIC, VERSION, pid, rank, RING, 0, 0, 0]`` then ``RING``
+Layout (native int64 words): ``[MAGIC, VERSION, pid, rank, RING, INSIDE, 0, 0]`` then ``RING``
 pairs ``(seq, desc)``; entry ``seq`` lives in slot ``seq % RING``; the newest entry is the
 largest seq. ``desc`` packs the count (bits 0-35), root + 1 (bits 36-51, 0 = no root),
 the dtype (bits 52-57) and the operation (bits 58-62). The writer stores ``desc`` before
-``seq``. ``launcher/stackagent.py`` decodes the same layout with the standard library
-(it cannot import this package); a test keeps the two in step.
+``seq``. ``INSIDE`` (word 5, from VERSION 2) is 1 while the rank is inside a blocking
+collective, 0 otherwise: dtrun's agent on the rank's host reads it a few hundred times a
+second for the share of time the rank waits for its peers (launcher/waitsampler.py), so
+no clock is read in the collective and none is compared across hosts.
+``launcher/stackagent.py`` decodes the same layout with the standard library (it cannot
+import this package); a test keeps the two in step.
 
-Cost: two stores into the mapped memory per collective (see benchmarks/bench_hang.py).
+Cost: two stores into the mapped memory per collective, two more for the flag (see
+benchmarks/bench_hang.py and benchmarks/bench_straggler.py).
 ``DTRUN_RECORDER=0`` turns it off.
 """
 
@@ -25,7 +30,8 @@ import mmap
 import os
 
 MAGIC = 0x647472756E726563  # "dtrunrec"
-VERSION = 1
+VERSION = 2
+INSIDE_WORD = 5  # header word: 1 while the rank is inside a blocking collective
 RING = 128
 MASK = RING - 1
 HEADER_WORDS = 8
@@ -79,6 +85,11 @@ def open_ring(rank: int, environ=os.environ):
     for i, v in enumerate((MAGIC, VERSION, os.getpid(), int(rank), RING)):
         words[i] = v
     return mm, words[HEADER_WORDS:]
+
+
+def header(mm) -> memoryview:
+    """The header words of a mapped recorder (``open_ring``'s mmap), writable."""
+    return memoryview(mm).cast("q")[:HEADER_WORDS]
 
 
 def decode(buf: bytes) -> dict | None:

@@ -75,10 +75,14 @@ def cap_for(n: int) -> int:
     return 1 << 20 if n == 2 else 256 << 10 if n <= 16 else 64 << 10
 
 
+SIG_WORDS = 3  # int64 words of a call's signature (signature.py), two of them per header
+
+
 def header_bytes(n: int) -> int:
-    """One rank's counter and per-rank sleeper flags in whole cache lines, then one more
-    line for the CPU the rank last ran on (the engine's waits read it)."""
-    return waits.header_bytes(n) + 64
+    """One rank's counter, two signatures (the mismatch check's, by epoch parity) and
+    per-rank sleeper flags in whole cache lines, then one more line for the CPU the rank
+    last ran on (the engine's waits read it)."""
+    return waits.header_bytes(n + 2 * SIG_WORDS) + 64
 
 
 def engine(node_comm: MPI.Intracomm | None, fallback):

@@ -50,7 +50,7 @@ import numpy as np
 from . import cache
 from ._mpi import MPI
 
-VERSION = 5
+VERSION = 6
 PATHS = ("mpi", "shm1", "shm2", "shm", "shm+hierarchical", "shm+ring", "ring")
 BUCKETS = tuple(256 * 4 ** i for i in range(9))  # 256 B .. 16 MiB
 CHUNKS = (128 << 10, 512 << 10, 2 << 20)

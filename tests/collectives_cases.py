@@ -838,7 +838,8 @@ def case_errors_truncation(comm):
 
 
 def case_errors_mismatch(comm):
-    """Mismatches across ranks: caught always in allgatherv, with DTRUN_CHECK otherwise."""
+    """Mismatches across ranks with DTRUN_CHECK=1 (the full exchange's messages; the
+    default check's matrix is tests/test_mismatch.py)."""
     if comm.size == 1:
         raise Skip("needs 2+ ranks to disagree")
     dtype = np.float32 if comm.rank == 0 else np.float64
