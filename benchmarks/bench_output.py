@@ -5,6 +5,11 @@ bytes (about 22 MB at the default) and exits. Its output is read by a fast reade
 (``wc -c``-like) and by a slow one (about 3 MB/s), through bare mpirun (Open MPI 5, the
 flags dtrun builds, no rank wrapper), through dtrun, and through ``dtrun --log-dir``
 (counted in the rank's log file). Reports the share of bytes received per run.
+
+Then one line of LONG_LINE_MB (10 by default; 0 skips it) without a newline, from the remote
+rank and from one on this machine, through bare mpirun and through dtrun: the bytes received,
+the wall time, and the CPU time of everything started on this machine (dtrun's reading of
+such a line must add little to mpirun's own).
 Writes bench-results/output.md and output.json. Needs root (namespaces).
 """
 from __future__ import annotations
@@ -24,6 +29,11 @@ from tests.dtrun_helpers import BIN, DTRUN, user_env  # noqa: E402
 LINES = int(os.environ.get("BENCH_OUTPUT_LINES", "200000"))
 RUNS = int(os.environ.get("BENCH_OUTPUT_RUNS", "3"))
 LINE_BYTES = 109
+LONG_LINE_MB = int(os.environ.get("BENCH_OUTPUT_LONG_LINE_MB", "10"))
+# One line without a newline; it starts like the rank wrapper's end-of-output marker and has a
+# "d" (the marker's first letter) every few bytes, the worst case for finding markers.
+LONG_WRITER = ("import sys\nn = {n}\nunit = b'dtrun-rank-eof: rank=0 abcd efgh dddd '\n"
+               "sys.stdout.buffer.write((unit * (n // len(unit) + 1))[:n])\nsys.stdout.flush()\n")
 WRITER = ("import sys\nw = sys.stdout.buffer.write\n"
           f"for i in range({LINES}):\n    w(b'%08d ' % i + b'x' * 99 + b'\\n')\nsys.stdout.flush()\n")
 # Reads stdin and prints the byte count; with an argument, sleeps that long per 64 KiB.
@@ -31,11 +41,11 @@ READER = ("import sys, time\nd = float(sys.argv[1])\nn = 0\nwhile True:\n    b =
           "    if not b: break\n    n += len(b)\n    time.sleep(d)\nprint(n)\n")
 
 
-def bare_argv(cluster, host) -> list[str]:
+def bare_argv(cluster, host, writer: str = WRITER) -> list[str]:
     from launcher.command import build_command
     from launcher.launch import LaunchOptions, prepare
 
-    opts = LaunchOptions(program=(str(BIN / "python"), "-c", WRITER), host_list=f"{host}:1",
+    opts = LaunchOptions(program=(str(BIN / "python"), "-c", writer), host_list=f"{host}:1",
                          ssh_config=str(cluster.ssh_config), rank_wrapper=False, tag_output=False)
     _, flavor, spec, _ = prepare(opts, environ=user_env())
     return build_command(spec, flavor)
@@ -49,6 +59,41 @@ def received(argv, delay: float) -> int:
     writer.stdout.close()
     writer.wait(timeout=60)
     return int(reader.stdout.strip() or 0)
+
+
+def timed(argv) -> tuple[int, float, float]:
+    """Bytes on stdout, wall seconds, and CPU seconds of the command and all it started here."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=user_env(), cwd=REPO,
+                            stdin=subprocess.DEVNULL)
+    n = 0
+    while True:
+        b = proc.stdout.read(1 << 16)
+        if not b:
+            break
+        n += len(b)
+    proc.wait(timeout=600)
+    wall = time.monotonic() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return n, wall, cpu
+
+
+def long_line(cluster, host) -> dict:
+    """One LONG_LINE_MB line without a newline through bare mpirun and through dtrun, from a
+    rank on the remote host and from one on this machine."""
+    writer = LONG_WRITER.format(n=LONG_LINE_MB << 20)
+    out = {}
+    for where, on in (("remote rank", host), ("rank on this machine", "localhost")):
+        dt = [DTRUN, "--ssh-config", str(cluster.ssh_config), "-H", f"{on}:1", "--no-tag-output",
+              str(BIN / "python"), "-c", writer]
+        for label, argv in (("bare mpirun", bare_argv(cluster, on, writer)), ("dtrun", dt)):
+            n, wall, cpu = timed(argv)
+            out[f"{label}, {where}"] = {"bytes": n, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1)}
+    return out
 
 
 def main() -> int:
@@ -77,10 +122,17 @@ def main() -> int:
 
             shutil.rmtree(log_dir, ignore_errors=True)
         results["runs"]["dtrun --log-dir (rank.0.log)"] = logged
+        if LONG_LINE_MB > 0:
+            results["long_line"] = long_line(cluster, host)
     lines = [f"# Output of one remote rank ({LINES} lines, {expected / 1e6:.1f} MB): share received, per run", "",
              "| path | received (% of bytes), per run |", "|---|---|"]
     for label, shares in results["runs"].items():
         lines.append(f"| {label} | {' / '.join(f'{s:g}%' for s in shares)} |")
+    if "long_line" in results:
+        lines += ["", f"# One line of {LONG_LINE_MB} MiB ({LONG_LINE_MB << 20} bytes) without a newline", "",
+                  "| path | bytes received | wall s | CPU s, launching side |", "|---|---|---|---|"]
+        for label, r in results["long_line"].items():
+            lines.append(f"| {label} | {r['bytes']} | {r['wall_s']:g} | {r['cpu_s']:g} |")
     text = "\n".join(lines) + "\n"
     (out_dir / "output.md").write_text(text)
     (out_dir / "output.json").write_text(json.dumps(results, indent=2))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -529,6 +530,82 @@ def ssh_pair_findings(results: dict, why: str, all_pairs: bool) -> list[Finding]
     return out
 
 
+_HOST = "\x00host\x00"  # stands for a finding's own host name while findings are compared
+# Where a host's name reads as prose ("on h1", "h1's PATH"), "each host" can stand for several;
+# elsewhere (`ssh h1 ...`, "--exclude h1") it is part of a command and must stay one name.
+_PROSE = re.compile(r"\b(?:on|to|in|from|of|at) " + re.escape(_HOST))
+_RANGE = re.compile(r"\[[^\]]*\d-\d")
+_HOST_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+@dataclass(frozen=True)
+class FindingGroup:
+    """One finding as shown: the hosts it holds for (in the report's order) and its words."""
+
+    hosts: tuple[str, ...]
+    check: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+def host_names(names) -> str:
+    """Several hosts in a few characters: ``hnode[1-4]`` where python-hostlist finds a range, else a comma list."""
+    names = list(names)
+    if len(names) > 1 and all(_HOST_NAME.fullmatch(n) for n in names):
+        try:
+            import hostlist
+
+            text = hostlist.collect_hostlist(names)
+        except Exception:  # noqa: BLE001 (python-hostlist raises its own and ValueError): the plain list serves
+            text = ""
+        if _RANGE.search(text):
+            return text
+    return ", ".join(names)
+
+
+def _templated(f: Finding) -> Optional[tuple[str, str]]:
+    """(detail, fix) with the finding's own host name replaced by a marker, when every mention reads
+    as prose (so "each host" can stand for it); None when the text does not name its host, or names
+    it inside a command."""
+    own = re.compile(r"(?<![A-Za-z0-9_.-])" + re.escape(f.host) + r"(?![A-Za-z0-9_-])(?!\.[A-Za-z0-9])")
+    detail, fix = own.sub(_HOST, f.detail), own.sub(_HOST, f.fix)
+    if (detail, fix) == (f.detail, f.fix):
+        return None
+    for text in (detail, fix):
+        if text.count(_HOST) != len(_PROSE.findall(text)):
+            return None
+    return detail, fix
+
+
+def group_findings(findings, order=None) -> list[FindingGroup]:
+    """Findings that say the same thing about several hosts, as one group each (pure).
+
+    Two findings are the same when check, status, detail and fix are equal, or equal once
+    each one's own host name is taken out (``prted is not on h1's PATH`` and ``... on h2's
+    PATH``); the host then reads "each host". Groups keep the order of their first finding.
+    """
+    exact: dict = {}
+    for f in findings:
+        exact.setdefault((f.check, f.status, f.detail, f.fix), []).append(f)
+    merged: dict = {}
+    for key, members in exact.items():
+        t = _templated(members[0]) if len(members) == 1 else None
+        merged.setdefault(("each", key[0], key[1], *t) if t else ("same", *key), []).extend(members)
+    out = []
+    for key, members in merged.items():
+        hosts = tuple(dict.fromkeys(f.host for f in members))
+        if order is not None:
+            hosts = tuple(sorted(hosts, key=lambda h: order.get(h, len(order))))
+        first = members[0]
+        if key[0] == "each" and len(hosts) > 1:
+            detail, fix = key[3].replace(_HOST, "each host"), key[4].replace(_HOST, "each host")
+        else:
+            detail, fix = first.detail, first.fix
+        out.append(FindingGroup(hosts, first.check, first.status, detail, fix))
+    return out
+
+
 def render(report: DoctorReport) -> None:
     """The table (rows hosts, columns checks), then every finding that is not ok, with its fix."""
     from rich.console import Console
@@ -544,13 +621,14 @@ def render(report: DoctorReport) -> None:
         cells = [report.cell(h, c) for c in CHECKS]
         table.add_row(h, *(f"[{style[s]}]{SYMBOL[s]}[/]" for s in cells))
     console.print(table)
-    bad = [f for f in report.findings if f.status in (FAIL, WARN)]
+    order = {h: i for i, h in enumerate(report.hosts)}
+    bad = group_findings([f for f in report.findings if f.status in (FAIL, WARN)], order)
     if bad:
         console.print()
-    for f in bad:
-        print(f"{SYMBOL[f.status]} {f.host} [{f.check}] {f.detail}")
-        if f.fix:
-            print(f"    fix: {f.fix}")
+    for g in bad:  # a finding that holds for several hosts is shown once, naming them all
+        print(f"{SYMBOL[g.status]} {host_names(g.hosts)} [{g.check}] {g.detail}")
+        if g.fix:
+            print(f"    fix: {g.fix}")
     rec = report.recommendation
     if rec:
         flags = rec["flags"]
@@ -566,7 +644,7 @@ def render(report: DoctorReport) -> None:
         stages = ", ".join(f"{s} {t:.2f} s" for s, t in report.e2e["stages"].items())
         print(f"end to end: {stages}")
     n = len([h for h in report.hosts if h != network.LAUNCHER])
-    fails = sum(1 for f in report.findings if f.status == FAIL)
-    warns = sum(1 for f in report.findings if f.status == WARN)
+    fails = sum(1 for g in bad if g.status == FAIL)
+    warns = sum(1 for g in bad if g.status == WARN)
     verdict = "all checks passed" if not fails and not warns else f"{fails} failed, {warns} warnings"
     print(f"doctor: {n} host{'s' if n != 1 else ''}, {verdict} ({report.timings.get('total', 0):.1f} s)")

