@@ -1,0 +1,92 @@
+"""The quick check of a job's hosts after it failed: which of them are gone.
+
+dtrun runs it when a multi-host job fails, to name a lost host in one line, and with
+``--max-restarts`` to leave such hosts out of the next attempt (launcher/restarts.py,
+which gets it injected by the CLI: launcher/ never imports checks/). Every host is
+checked at once and each step is bounded by a timeout, so a dead host costs the
+timeout, not more:
+
+* under mpirun: the preflight's cheap check, a TCP connection to the host's sshd that
+  must answer with its SSH banner (``checks.preflight.reachable``);
+* inside a Slurm allocation whose nodes are the job's hosts: a one-task step
+  (``srun --overlap -w NODE hostname``) on each node, because sites often block ssh to
+  compute nodes; ``--overlap`` keeps it from waiting for the failed step's CPUs.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+from typing import Mapping, Optional, Sequence
+
+TIMEOUT_S = 5.0
+SLURM_TIMEOUT_S = 10.0  # a step's start goes through slurmctld and the node's slurmd
+
+
+def short_reason(detail: str) -> str:
+    """The first clause of a check's finding ("TCP to h2 (10.0.0.2:22) timed out after 5 s")."""
+    return detail.split(": ", 1)[0].strip()
+
+
+def check_hosts(opts, selection, hosts: Sequence, environ: Optional[Mapping[str, str]] = None,
+                timeout: Optional[float] = None) -> dict[str, str]:
+    """Check ``hosts`` (``HostSlots``) of a failed job; return {host: why it failed} for those that did."""
+    from launcher.hosts import SLURM_SOURCE, is_local
+    from launcher.slurm import current_allocation
+
+    environ = os.environ if environ is None else environ
+    if selection is not None and selection.source == SLURM_SOURCE and current_allocation(environ) is not None:
+        from launcher.slurm import find_srun
+
+        return slurm_nodes(find_srun(environ) or "srun", [h.host for h in hosts],
+                           SLURM_TIMEOUT_S if timeout is None else timeout)
+    from checks.preflight import reachable
+    from checks.ssh import ssh_config_path
+
+    cfg = ssh_config_path(getattr(opts, "ssh_config", None), selection.ssh_config if selection else None, environ)
+    remote = [h for h in hosts if not is_local(h.host)]
+    found = reachable(remote, cfg, TIMEOUT_S if timeout is None else timeout)
+    return {f.host: f"ssh: {short_reason(f.detail)}" for f in found}
+
+
+def slurm_nodes(srun: str, nodes: Sequence[str], timeout: float) -> dict[str, str]:
+    """A one-task step on every node at once; {node: why} for each one where it did not run."""
+    from launcher.safe import plain_text
+
+    procs = {}
+    bad: dict[str, str] = {}
+    for node in nodes:
+        plain_text(node, "Slurm node name")
+        argv = [srun, "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--mpi=none",
+                "--time=1", "hostname"]
+        try:
+            procs[node] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                           stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            bad[node] = f"cannot run {srun}: {exc.strerror}"
+    import time
+
+    deadline = time.monotonic() + timeout
+    for node, p in procs.items():
+        try:
+            _, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _kill(p)
+            bad[node] = f"Slurm could not start a step on {node} within {timeout:g} s"
+            continue
+        if p.returncode != 0:
+            detail = " ".join((err or "").split())[:200]
+            bad[node] = f"Slurm could not start a step on {node} (srun exited {p.returncode}: {detail})"
+    return bad
+
+
+def _kill(p: subprocess.Popen) -> None:
+    import signal
+
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        p.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        pass

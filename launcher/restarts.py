@@ -1,0 +1,453 @@
+"""Restarting a failed job without the hosts that failed (``--max-restarts``, ``--spares``, ``--min-np``).
+
+When an attempt fails, dtrun checks every host the job could use (the injected host
+check: ssh reachable under mpirun, a one-node step under Slurm; all at once, bounded by
+a timeout), stops what is left of the attempt on the hosts that pass, leaves out those
+that fail, and starts the whole job again on the hosts that remain plus spares: slots
+the first attempt did not use (hosts beyond ``-np``, or ``--spares``). Each attempt gets
+one line saying what failed, which hosts were left out and why, and where it runs.
+
+What is never restarted: a job stopped by the user (a signal, ``scancel``), a job that
+ran past ``--timeout``, and a failure that is the program's own: the same failure twice
+in a row while every host passes the check (``same_failure_twice``).
+
+The pure parts (``plan_hosts``, ``failure_of``, ``same_failure_twice``, ``attempt_line``,
+``lost_host_lines``) are tested by value; ``run`` is the loop around the launch.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Mapping, Optional, Sequence
+
+from launcher.errors import ExitCode, UsageError, signal_exit_code
+from launcher.hostfile import HostSlots
+
+# The host check the CLI injects (launcher/ never imports checks/):
+# (opts, selection, hosts, environ) -> {host name: why it failed}; hosts not named passed.
+HostCheck = Callable[..., Mapping[str, str]]
+# Seconds every step of the host check may take (ssh connect and banner, or Slurm's step).
+CHECK_TIMEOUT_S = 5.0
+# Seconds the kill agents get to stop what is left of a failed attempt on the healthy hosts.
+CLEANUP_BUDGET_S = 5.0
+# A Python traceback's innermost frame and its exception line, as a rank's stderr shows
+# them (after an optional launcher tag such as "[host,1]<stderr>: " or "1: ").
+_TAG = r"(?:\[[^\]\n]*\](?:<std(?:err|out)>)?:? ?|\d+: )?"
+_FRAME_RE = re.compile(r"^" + _TAG + r'\s*File "([^"]+)", line (\d+), in (\S+)')
+_EXC_RE = re.compile(r"^" + _TAG + r"([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning)|AssertionError)(?::|$)")
+
+
+class NotEnoughSlots(Exception):
+    """The hosts left cannot hold ``-np`` ranks (or ``--min-np``)."""
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """Where one attempt runs."""
+
+    hosts: tuple[HostSlots, ...]  # the hosts handed to the launcher, each of them holds ranks
+    np: int
+    spares: tuple[str, ...] = ()  # hosts among them that held no rank in the first attempt
+    rank_hosts: tuple[str, ...] = ()  # host of each rank (slots filled in order)
+
+
+def fill(hosts: Sequence[HostSlots], np: int, oversubscribe: bool = False) -> tuple[list[HostSlots], list[str]]:
+    """The first hosts whose slots hold ``np`` ranks, and each rank's host (slots filled in
+    order, as ``--map-by slot`` and Hydra's ``-hosts`` do; round robin when oversubscribed)."""
+    order = [h.host for h in hosts for _ in range(max(int(h.slots), 1))]
+    if not order:
+        return [], []
+    ranks = [order[r % len(order)] for r in range(np)]
+    used = set(ranks)
+    return [h for h in hosts if h.host in used], ranks
+
+
+def plan_hosts(primary: Sequence[HostSlots], spares: Sequence[HostSlots], left_out: Sequence[str], np: int,
+               min_np: Optional[int] = None, oversubscribe: bool = False,
+               first: Sequence[str] = ()) -> HostPlan:
+    """The hosts and rank count of an attempt: the user's hosts, then ``--spares``, less
+    those left out. ``-np`` stays while the slots last; with ``min_np`` the job may go on
+    with fewer ranks, down to it.
+
+    Args:
+        first: hosts that held ranks in the first attempt (others are called spares).
+
+    Raises:
+        NotEnoughSlots: fewer slots than ``np`` (and than ``min_np``), or no host at all.
+    """
+    out = set(left_out)
+    candidates = [h for h in list(primary) + list(spares) if h.host not in out]
+    total = sum(max(int(h.slots), 1) for h in candidates)
+    gone = ", ".join(h for h in dict.fromkeys(left_out)) or "none"
+    if not candidates:
+        raise NotEnoughSlots(f"no host is left (left out: {gone})")
+    if total >= np or oversubscribe:
+        n = np
+    elif min_np is not None and total >= min_np:
+        n = total
+    else:
+        need = f"-np {np}" + (f" or --min-np {min_np}" if min_np is not None else "")
+        raise NotEnoughSlots(f"{total} slot{'s' if total != 1 else ''} left on {', '.join(h.host for h in candidates)} "
+                             f"(left out: {gone}), fewer than {need}")
+    hosts, ranks = fill(candidates, n, oversubscribe)
+    spare = tuple(h.host for h in hosts if first and h.host not in first)
+    return HostPlan(tuple(hosts), n, spare, tuple(ranks))
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What ended one attempt, in a phrase, and the key that tells two failures apart."""
+
+    what: str
+    key: tuple
+    hosts: tuple[str, ...] = ()  # hosts the failure names
+    restartable: bool = True
+    reason: str = ""  # why not restartable
+
+
+class ErrorWatch:
+    """A job observer (launcher.run.JobObserver) that keeps the last Python exception a rank
+    printed: its type and innermost frame tell one program bug from another."""
+
+    def __init__(self, lines: int = 400):
+        self.tail: collections.deque = collections.deque(maxlen=lines)
+
+    def on_start(self, job) -> None:
+        pass
+
+    def on_output(self, stream, data) -> None:
+        if stream == "stderr":
+            self.tail.append(data.decode("utf-8", "replace").rstrip("\n"))
+
+    def on_rank_start(self, rank, host) -> None:
+        pass
+
+    def on_rank_exit(self, failure) -> None:
+        pass
+
+    def on_signal(self, signum) -> bool:
+        return False
+
+    def on_end(self, result) -> None:
+        pass
+
+    def exception(self) -> Optional[tuple[str, str]]:
+        return last_exception(list(self.tail))
+
+
+def last_exception(lines: Sequence[str]) -> Optional[tuple[str, str]]:
+    """("file:line", "ExceptionType") of the last Python traceback in ``lines``, if any."""
+    frame, found = None, None
+    for line in lines:
+        m = _FRAME_RE.match(line)
+        if m:
+            frame = f"{m.group(1)}:{m.group(2)}"
+            continue
+        e = _EXC_RE.match(line)
+        if e and frame is not None:
+            found, frame = (frame, e.group(1)), None
+    return found
+
+
+def failure_of(result, exception: Optional[tuple[str, str]] = None, on_hang: str = "report",
+               timed_out: bool = False) -> Failure:
+    """The failure of one attempt from its ``launcher.run.JobResult`` (and the last exception
+    a rank printed), and whether a restart may help."""
+    from launcher.errors import signal_name
+    from launcher.run import root_cause
+
+    if result.interrupted:
+        return Failure(f"stopped by {signal_name(result.signum or signal.SIGINT)}", ("signal",), (), False,
+                       "a job stopped by a signal is never restarted")
+    if result.stdout_closed:
+        return Failure("stdout was closed", ("stdout",), (), False, "dtrun's output went away")
+    if result.hung:
+        what = "no progress (--hang-timeout)"
+        if on_hang != "restart":
+            return Failure(what, ("hang",), (), False, "--on-hang abort")
+        return Failure(what, ("hang",))
+    if result.timeout and timed_out:
+        return Failure(result.timeout, ("timeout",), (), False, "--timeout covers the whole run")
+    cause = root_cause(result.failures)
+    if cause is not None:
+        what = f"rank {cause.rank} on {cause.host} {cause.how}"
+        if exception is not None:
+            what += f" ({exception[1]} at {exception[0]})"
+            key = ("exception",) + exception + (cause.code, cause.signum)
+        elif cause.signum is not None:  # a kill (the OOM killer, a signal from outside): per rank
+            key = ("signal", cause.rank, cause.signum)
+        else:  # the program's own exit code, whichever rank got there first
+            key = ("code", cause.code, cause.start_error)
+        return Failure(what, key, (cause.host,))
+    if result.lost_daemon_host:
+        return Failure(f"the MPI daemon on {result.lost_daemon_host} was lost", ("daemon", result.lost_daemon_host),
+                       (result.lost_daemon_host,))
+    if result.vanished:
+        hosts = tuple(dict.fromkeys(h for _, h in result.vanished))
+        ranks = ",".join(r for r, _ in result.vanished)
+        return Failure(f"rank{'s' if len(result.vanished) > 1 else ''} {ranks} on {', '.join(hosts)} went silent",
+                       ("silent",) + hosts, hosts)
+    if result.timeout:
+        return Failure(result.timeout, ("start-timeout",))
+    return Failure(f"mpirun exited with code {result.mpirun_returncode}", ("mpirun", result.mpirun_returncode))
+
+
+def same_failure_twice(previous: Optional[Failure], current: Failure, hosts_healthy: bool) -> bool:
+    """The no-blind-loop rule: the same failure twice in a row, every host passing the check
+    both times (``previous`` is None after an attempt on which a host failed it)."""
+    return hosts_healthy and previous is not None and previous.key == current.key
+
+
+def _ranks_on(rank_hosts: Sequence[str], host: str) -> list[int]:
+    return [r for r, h in enumerate(rank_hosts) if h == host]
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    if not ranks:
+        return "no rank"
+    return f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}"
+
+
+def lost_host_lines(bad: Mapping[str, str], rank_hosts: Sequence[str]) -> list[str]:
+    """One line per host that failed the check after the job failed: which host, what the
+    check found, and which ranks were on it."""
+    lines = []
+    for host, why in bad.items():
+        ranks = _ranks_on(rank_hosts, host)
+        on = f"{_ranks_text(ranks)} {'was' if len(ranks) == 1 else 'were'} on it" if ranks else "it held no rank"
+        lines.append(f"dtrun: host {host} was lost: {why}; {on}")
+    return lines
+
+
+def attempt_line(n: int, total: int, failure: Failure, left_out: Mapping[str, str], plan: HostPlan) -> str:
+    """The block that opens attempt ``n`` (1-based) of ``total``: what failed, the hosts left
+    out and why, and where this attempt runs."""
+    if left_out:
+        parts = [f"{h} left out ({why})" for h, why in left_out.items()]
+        head = ", ".join(parts) + f"; {failure.what}"
+    else:
+        head = f"{failure.what}; every host passed the check"
+    where = ", ".join(f"{h.host} (spare)" if h.host in plan.spares else h.host for h in plan.hosts)
+    return f"dtrun: attempt {n} of {total}: {head}; {plan.np} rank{'s' if plan.np != 1 else ''} on {where}"
+
+
+# ---- the loop -----------------------------------------------------------------------------------
+
+@dataclass
+class Attempt:
+    """What ``launch._attempt`` hands back: dtrun's exit code and what the loop needs."""
+
+    code: int
+    result: object = None  # launcher.run.JobResult (None for a dry run)
+    rank_hosts: tuple[str, ...] = ()
+    hosts: tuple[str, ...] = ()
+    job: object = None  # launcher.jobstate.JobInfo, for the clean-up
+    ended: bool = False  # Slurm ended the allocation or step (scancel): never restarted
+    srun: bool = False
+    in_slurm: bool = False
+    elapsed: float = 0.0
+    selection: object = None  # launcher.hosts.HostSelection of this attempt
+    cleaned: bool = False  # the attempt already stopped its leftovers on every host
+
+
+@dataclass
+class Timings:
+    """Seconds of each step between a fault and the next attempt (benchmarks/bench_restarts.py)."""
+
+    detected: list = field(default_factory=list)  # monotonic time the attempt ended
+    check: list = field(default_factory=list)
+    cleanup: list = field(default_factory=list)
+    relaunched: list = field(default_factory=list)  # monotonic time the next attempt started
+
+
+class _Stopped(Exception):
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
+def _on_stop_signals():
+    """Between attempts a stop signal ends the run at once (no further attempt); returns the
+    previous handlers."""
+    from launcher.run import STOP_SIGNALS
+
+    def handler(signum, _frame):
+        raise _Stopped(signum)
+
+    old = {}
+    for s in STOP_SIGNALS:
+        if s == signal.SIGQUIT or (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN):
+            continue
+        try:
+            old[s] = signal.signal(s, handler)
+        except (OSError, ValueError):
+            pass
+    return old
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def parse_spares(text: Optional[str]) -> tuple[HostSlots, ...]:
+    if not text:
+        return ()
+    from launcher.hostfile import parse_host_list
+
+    return tuple(parse_host_list(text))
+
+
+def check_options(opts, selection) -> tuple[tuple[HostSlots, ...], Optional[int]]:
+    """Validate --max-restarts, --spares and --min-np; return the spare hosts and min-np."""
+    from launcher.safe import MAX_RANKS, count
+
+    if opts.max_restarts < 0:
+        raise UsageError(f"--max-restarts {opts.max_restarts}: give 0 or more")
+    if not opts.max_restarts and (opts.spares or opts.min_np is not None):
+        flag = "--spares" if opts.spares else "--min-np"
+        raise UsageError(f"{flag} is used when a job restarts: add --max-restarts N")
+    if selection is None:
+        return (), None
+    spares = parse_spares(opts.spares)
+    names = set(selection.names)
+    twice = [h.host for h in spares if h.host in names]
+    if twice:
+        raise UsageError(f"--spares: {', '.join(twice)} already in the job's hosts ({selection.source})")
+    min_np = None
+    if opts.min_np is not None:
+        min_np = count(str(opts.min_np), "--min-np", MAX_RANKS)
+        if min_np <= 0:
+            raise UsageError(f"--min-np {min_np}: give a positive number of ranks")
+    return spares, min_np
+
+
+def run(opts, attempt: Callable[..., Attempt], preflight=None, host_check: Optional[HostCheck] = None,
+        environ: Optional[Mapping[str, str]] = None, timings: Optional[Timings] = None) -> int:
+    """Run the job, and with ``--max-restarts N`` restart it up to N times without the hosts
+    that fail the check. ``attempt(opts, job_dir, preflight, observers, cleanup)`` runs one
+    attempt (``launch._attempt``). Returns dtrun's exit code."""
+    from launcher import jobstate
+    from launcher.hosts import all_local, resolve_hosts, resolve_np
+
+    environ = os.environ if environ is None else environ
+    restarts = opts.max_restarts > 0
+    check_options(opts, None)
+    selection = plan = None
+    spares: tuple[HostSlots, ...] = ()
+    min_np = np = None
+    first: tuple[str, ...] = ()
+    if restarts:
+        selection = resolve_hosts(opts.host_list, opts.hostfile, opts.cluster, opts.include, opts.exclude, environ)
+        spares, min_np = check_options(opts, selection)
+        np = resolve_np(opts.np, selection, opts.oversubscribe)
+        if min_np is not None and min_np > np:
+            raise UsageError(f"--min-np {min_np} is more than -np {np}")
+        plan = plan_hosts(selection.hosts, (), (), np, None, opts.oversubscribe)
+        first = tuple(h.host for h in plan.hosts)
+    base_id = opts.run_id or (_new_run_id() if opts.log_dir else None)
+    left_out: dict[str, str] = {}
+    previous: Optional[Failure] = None
+    total = opts.max_restarts + 1
+    n = 0
+    old = _on_stop_signals() if restarts else {}
+    try:
+        while True:
+            job_dir = jobstate.new_dir()
+            try:
+                watch = ErrorWatch()
+                a_opts = opts
+                if restarts:
+                    a_opts = replace(opts, job_dir=job_dir, selection=replace(selection, hosts=plan.hosts),
+                                     np=str(plan.np),
+                                     env=tuple(opts.env) + (f"DTRUN_RESTART_COUNT={n}", f"TORCHELASTIC_RESTART_COUNT={n}"),
+                                     run_id=f"{base_id}-attempt-{n + 1}" if base_id else opts.run_id)
+                else:
+                    a_opts = replace(opts, job_dir=job_dir)
+                if timings is not None and n > 0:
+                    timings.relaunched.append(time.monotonic())
+                att = attempt(a_opts, job_dir, preflight, (watch,), not restarts)
+                ended_at = time.monotonic()
+                if timings is not None:
+                    timings.detected.append(ended_at)
+                if att.code == 0 or att.result is None:
+                    return att.code
+                timed_out = opts.timeout is not None and att.elapsed >= opts.timeout
+                failure = failure_of(att.result, watch.exception(), opts.on_hang, timed_out)
+                if att.ended:
+                    failure = replace(failure, restartable=False, reason="Slurm stopped the job")
+                used = att.selection if att.selection is not None else selection
+                candidates = [h for h in used.hosts if h.host in att.hosts] if used is not None else []
+                if restarts and failure.restartable:
+                    # spares too: one that cannot be reached must not be the next attempt's
+                    candidates = [h for h in list(selection.hosts) + list(spares) if h.host not in left_out]
+                bad: dict[str, str] = {}
+                t0 = time.monotonic()
+                if host_check is not None and candidates and not all_local(candidates) \
+                        and (failure.restartable or not restarts) and not att.result.interrupted \
+                        and not att.result.stdout_closed and not att.ended:
+                    bad = dict(host_check(a_opts, used, candidates, environ))
+                if timings is not None:
+                    timings.check.append(time.monotonic() - t0)
+                for line in lost_host_lines({h: w for h, w in bad.items() if h in att.hosts}, att.rank_hosts):
+                    _say(line)
+                t0 = time.monotonic()
+                if restarts and not att.cleaned:
+                    _cleanup(att, [h for h in att.hosts if h not in bad])
+                if timings is not None:
+                    timings.cleanup.append(time.monotonic() - t0)
+                if not restarts:
+                    return att.code
+                if not failure.restartable:
+                    return att.code
+                if same_failure_twice(previous, failure, not bad):
+                    _say(f"dtrun: not restarting: the same failure twice in a row ({failure.what}) while every "
+                         f"host passed the check: the program's own error; fix it and run again (exit code "
+                         f"{att.code}, the job's own)")
+                    return att.code
+                previous = None if bad else failure
+                if n + 1 >= total:
+                    _say(f"dtrun: not restarting: all {total} attempts (--max-restarts {opts.max_restarts}) failed; "
+                         f"the last: {failure.what} (exit code {int(ExitCode.RESTARTS)})")
+                    return ExitCode.RESTARTS
+                left_out.update(bad)
+                try:
+                    plan = plan_hosts(selection.hosts, spares, list(left_out), np, min_np, opts.oversubscribe, first)
+                except NotEnoughSlots as exc:
+                    _say(f"dtrun: not restarting: {exc}; {failure.what} (exit code {int(ExitCode.RESTARTS)}); "
+                         f"add hosts with --spares, or let the job go on with fewer ranks with --min-np")
+                    return ExitCode.RESTARTS
+                n += 1
+                if att.srun and att.in_slurm:
+                    # The failed step keeps its CPUs until Slurm hears from the lost node (SlurmdTimeout):
+                    # the next step shares them (--overlap); the host check was the Slurm preflight.
+                    opts = replace(opts, preflight=False, mpi_args=" ".join(filter(None, (opts.mpi_args, "--overlap"))))
+                _say(attempt_line(n + 1, total, failure, {h: w for h, w in bad.items()}, plan))
+            finally:
+                jobstate.remove(job_dir)
+    except _Stopped as exc:
+        from launcher.errors import signal_name
+
+        _say(f"dtrun: stopped by {signal_name(exc.signum)} between attempts; no further attempt")
+        return ExitCode.INTERRUPTED if exc.signum == signal.SIGINT else signal_exit_code(exc.signum)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _new_run_id() -> str:
+    from launcher.launch import new_run_id
+
+    return new_run_id()
+
+
+def _cleanup(att: Attempt, hosts: Sequence[str]) -> None:
+    """Stop what is left of a failed attempt on ``hosts`` (those that passed the check), at once."""
+    if att.job is None or att.srun or not hosts:
+        return  # under srun, Slurm ends the step's processes itself
+    from launcher.hangwatch import Monitor
+
+    Monitor(replace(att.job, hosts=tuple(hosts))).kill_leftovers(budget=CLEANUP_BUDGET_S)

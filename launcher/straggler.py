@@ -1,0 +1,529 @@
+"""The straggler: the rank (or host) that makes the others wait, named at the end of a job.
+
+In synchronous data-parallel work every collective waits for the slowest rank, so the
+rank that waits little while the others wait a lot is the one they wait for. Each rank's
+waiting is measured by that rank's own host (launcher/waitsampler.py, run on every host
+by ``stackagent.py sample`` over the one ssh connection per host): the time inside
+collectives from the bundled runtime's flight recorder, or the share of py-spy (or
+faulthandler) samples inside MPI, torch.distributed or NCCL calls. Only shares measured
+on each rank's own host are compared, never times across hosts.
+
+``find_straggler`` is pure; ``SampleStream`` runs the agents; ``StragglerWatch`` is the
+job observer that prints the finding at the end of a multi-rank job that ran at least
+``MIN_RUN_S`` seconds (and, with ``--top``, the live table during it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Callable, Optional, Sequence
+
+from launcher.jobstate import JobInfo
+
+MIN_RUN_S = 5.0  # shorter jobs get no finding (too few samples to tell noise from a straggler)
+START_DELAY_S = 2.0  # sampling starts this long after every rank started (imports, rendezvous: busy ranks)
+WINDOW_S = 2.0
+RATE_HZ = 10.0
+# A finding needs the others to have waited at least OTHERS_MIN of the run, and the gap
+# between them and the named ranks to be at least GAP, at least REL_GAP of what the others
+# waited, and at least SPREAD times the others' own scatter (their median absolute
+# deviation): on a loaded machine a balanced job's ranks wait a little, in turns, and that
+# must not name anyone. Where the collectives themselves are slow, the named ranks wait
+# inside them too, and time every rank spends alike (imports, start-up) thins all shares,
+# so the named ranks' own share is not required to be small.
+OTHERS_MIN = 0.25
+GAP = 0.1
+REL_GAP = 0.25
+SPREAD = 4.0
+MIN_SAMPLES = 15
+MIN_POLLS = 300  # reads of a recorder's flag: about 1.5 s
+DISABLE_VAR = "DTRUN_STRAGGLER"  # =0: no sampling during jobs, no finding
+
+
+@dataclass
+class RankView:
+    """One rank in one window, as its host's agent measured it."""
+
+    rank: int
+    host: str
+    pid: Optional[int] = None
+    state: str = ""
+    cpu: Optional[float] = None
+    rss: Optional[int] = None
+    span: float = 0.0
+    colls: Optional[int] = None  # collectives started in the window (recorder sequence)
+    rec_polls: int = 0  # reads of the recorder's "inside a collective" flag in the window
+    rec_inside: int = 0  # ... that found it set
+    samples: int = 0
+    waiting: int = 0
+    startup: int = 0  # samples in imports or process-group set-up (not counted in samples)
+    frames: list = field(default_factory=list)  # [[func, file, line, count, waiting], ...]
+    via: str = ""
+    gpu_util: Optional[float] = None
+    gpu_mem: Optional[float] = None
+    error: Optional[str] = None
+    stack_error: Optional[str] = None
+    ended: bool = False
+
+    @classmethod
+    def parse(cls, d: dict, host: str) -> "RankView":
+        def num(key, kind=float):
+            v = d.get(key)
+            return kind(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+        return cls(rank=int(d["rank"]), host=host, pid=num("pid", int), state=str(d.get("state", "")),
+                   cpu=num("cpu"), rss=num("rss", int), span=num("span") or 0.0, colls=num("colls", int),
+                   rec_polls=num("rec_polls", int) or 0, rec_inside=num("rec_inside", int) or 0,
+                   samples=num("samples", int) or 0, startup=num("startup", int) or 0,
+                   waiting=num("waiting", int) or 0, frames=[f for f in d.get("frames") or [] if len(f) == 5],
+                   via=str(d.get("via", "")), gpu_util=num("gpu_util"), gpu_mem=num("gpu_mem"),
+                   error=d.get("error"), stack_error=d.get("stack_error"), ended=bool(d.get("ended")))
+
+    @property
+    def wait_share(self) -> Optional[float]:
+        return combined_share(self.rec_inside / self.rec_polls if self.rec_polls else None,
+                              self.waiting / self.samples if self.samples else None)
+
+    @property
+    def rate(self) -> Optional[float]:
+        return self.colls / self.span if self.colls is not None and self.span > 0 else None
+
+    @property
+    def frame(self) -> Optional[list]:
+        return self.frames[0] if self.frames else None
+
+
+def combined_share(flag: Optional[float], sampled: Optional[float]) -> Optional[float]:
+    """The waiting share from the recorder's flag and from stack samples, where both exist:
+    the larger. The flag is exact but covers blocking collectives only; the samples also see
+    a rank waiting on a non-blocking collective's handle (collectives.dp overlaps them with
+    the backward pass), or in MPI or torch.distributed calls of its own."""
+    if flag is None or sampled is None:
+        return sampled if flag is None else flag
+    return max(flag, sampled)
+
+
+@dataclass
+class HostSample:
+    host: str  # as the job names it (what ssh reaches)
+    name: str = ""  # as the host names itself
+    ranks: list = field(default_factory=list)
+    gpus: list = field(default_factory=list)
+    error: Optional[str] = None
+    at: float = 0.0  # when it arrived (this machine's monotonic clock)
+    window: float = 0.0
+
+    @property
+    def starting(self) -> bool:
+        """Whether a rank here was still starting (imports, set-up) in this window."""
+        return any(v.startup for v in self.ranks)
+
+
+class SteadyState:
+    """Which windows count: none until every rank is past its start-up. While one rank
+    still imports or sets up, the others wait for it in their first collective; that skew
+    is the start, not a straggler. A host's window with start-up samples, until that host
+    has had one without, resets what was counted, and windows that overlapped it (arriving
+    within one window after it) are left out too. Imports later in the run reset nothing."""
+
+    def __init__(self):
+        self._cutoff = 0.0
+        self._steady: set = set()  # hosts that have had a window without start-up samples
+
+    def admit(self, sample: HostSample) -> tuple[bool, bool]:
+        """(count this sample, forget what was counted before)."""
+        if sample.error is not None or not sample.ranks:
+            return False, False
+        if sample.starting and sample.host not in self._steady:
+            self._cutoff = max(self._cutoff, sample.at + sample.window)
+            return False, True
+        self._steady.add(sample.host)
+        return sample.at >= self._cutoff, False
+
+
+@dataclass
+class RankTotals:
+    """One rank's figures summed over the windows seen."""
+
+    rank: int
+    host: str
+    samples: int = 0
+    waiting: int = 0
+    rec_polls: int = 0  # reads of the recorder's flag (the runtime: the rank marks its time inside collectives)
+    rec_inside: int = 0
+    frames: dict = field(default_factory=dict)  # (func, file, line, waiting) -> samples
+    via: str = ""
+
+    def add(self, v: RankView) -> None:
+        self.host = v.host or self.host
+        self.samples += v.samples
+        self.waiting += v.waiting
+        self.rec_polls += v.rec_polls
+        self.rec_inside += v.rec_inside
+        for func, path, line, n, w in v.frames:
+            key = (func, path, line, bool(w))
+            self.frames[key] = self.frames.get(key, 0) + n
+        if self.rec_polls:
+            self.via = "recorder"
+        elif v.samples or not self.via:
+            self.via = v.via  # how its samples came (a rank's last window may have none: "proc")
+
+    def share(self, min_samples: int = MIN_SAMPLES, min_polls: int = MIN_POLLS) -> Optional[float]:
+        """Share of the measured time spent waiting for peers (None: too little measured)."""
+        return combined_share(self.rec_inside / self.rec_polls if self.rec_polls >= min_polls else None,
+                              self.waiting / self.samples if self.samples >= min_samples else None)
+
+    def busy_frame(self) -> Optional[tuple]:
+        """The user frame where most of its non-waiting samples were: (func, file, line)."""
+        busy = [(n, k) for k, n in self.frames.items() if not k[3]]
+        if not busy:
+            return None
+        return max(busy)[1][:3]
+
+
+def accumulate(totals: dict, sample: HostSample) -> None:
+    for v in sample.ranks:
+        if v.error is None:
+            totals.setdefault(v.rank, RankTotals(v.rank, v.host)).add(v)
+
+
+RECENT_WINDOWS = 5  # the live table flags the straggler of the last few windows, not of the whole run
+
+
+class Recent:
+    """The last RECENT_WINDOWS windows of every host, summed per rank (the live table's view:
+    a rank that turns slow is flagged within a few windows, whatever came before)."""
+
+    def __init__(self, windows: int = RECENT_WINDOWS):
+        self._windows = windows
+        self._by_host: dict[str, deque] = {}
+        self._lock = threading.Lock()
+        self._steady = SteadyState()
+
+    def add(self, sample: HostSample) -> None:
+        with self._lock:
+            count, reset = self._steady.admit(sample)
+            if reset:
+                self._by_host.clear()
+            if count:
+                self._by_host.setdefault(sample.host, deque(maxlen=self._windows)).append(sample)
+
+    def totals(self) -> list[RankTotals]:
+        out: dict = {}
+        with self._lock:
+            for samples in self._by_host.values():
+                for s in samples:
+                    accumulate(out, s)
+        return list(out.values())
+
+
+@dataclass(frozen=True)
+class Finding:
+    ranks: tuple  # the named ranks
+    hosts: tuple  # their hosts
+    whole_host: bool  # every rank of one host (and only those)
+    others_wait: float  # median share the other ranks waited
+    own_wait: float  # the most any named rank waited
+    frame: Optional[tuple] = None  # (func, file, line) of the named ranks' user code
+    measured: int = 0  # ranks measured
+
+
+def find_straggler(totals: Sequence[RankTotals], min_samples: int = MIN_SAMPLES,
+                   min_polls: int = MIN_POLLS) -> Optional[Finding]:
+    """The rank, or the host, whose peers waited for it; None when no one stands out.
+
+    The measured ranks are sorted by how much they waited; the named ones are those
+    below the widest gap, a minority: one rank, one host's ranks, or a few ranks.
+    """
+    measured = [(t.share(min_samples, min_polls), t) for t in totals]
+    measured = sorted(((s, t) for s, t in measured if s is not None), key=lambda st: (st[0], st[1].rank))
+    if len(measured) < 2:
+        return None
+    shares = [s for s, _ in measured]
+    best_k, best_gap = 0, 0.0
+    for k in range(1, len(shares) // 2 + 1):
+        gap = shares[k] - shares[k - 1]
+        if gap > best_gap:
+            best_k, best_gap = k, gap
+    if not best_k:
+        return None
+    named, others = measured[:best_k], measured[best_k:]
+    own, theirs = max(s for s, _ in named), median(s for s, _ in others)
+    mad = median(abs(s - theirs) for s, _ in others)
+    if theirs < OTHERS_MIN or best_gap < max(GAP, REL_GAP * theirs, SPREAD * mad):
+        return None
+    hosts = tuple(sorted({t.host for _, t in named}))
+    on_host = [t for _, t in measured if t.host in hosts]
+    whole = len(hosts) == 1 and best_k > 1 and len(on_host) == best_k and best_k < len(measured)
+    frames: dict = {}
+    for _, t in named:
+        for key, n in t.frames.items():
+            if not key[3]:
+                frames[key[:3]] = frames.get(key[:3], 0) + n
+    frame = max(frames, key=lambda k: frames[k]) if frames else None
+    return Finding(tuple(t.rank for _, t in named), hosts, whole, theirs, own, frame, len(measured))
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.0f}%"
+
+
+def frame_text(frame) -> str:
+    func, path, line = frame[:3]
+    return f"{func} at {os.path.basename(path)}:{line}"
+
+
+def render_finding(f: Finding) -> str:
+    from launcher.stacks import format_ranks
+
+    if f.whole_host:
+        who, pron = f"host {f.hosts[0]} (ranks {format_ranks(f.ranks)})", "they"
+    elif len(f.ranks) == 1:
+        who, pron = f"rank {f.ranks[0]} on {f.hosts[0]}", "it"
+    else:
+        who, pron = f"ranks {format_ranks(f.ranks)} on {','.join(f.hosts)}", "they"
+    text = (f"straggler: {who} made the others wait {_pct(f.others_wait)} of the run "
+            f"({pron} waited {_pct(f.own_wait)})")
+    if f.frame:
+        text += f"; {'its' if pron == 'it' else 'their'} time went to {frame_text(f.frame)}"
+    return text
+
+
+def report_text(finding: Optional[Finding], totals: Sequence[RankTotals], headline: str) -> str:
+    """The report file: the finding, then every rank's figures and where its time went."""
+    lines = [headline, ""]
+    lines.append(f"{'rank':>5} {'host':<16} {'waited':>7} {'measured by':<13} where its samples were")
+    for t in sorted(totals, key=lambda t: t.rank):
+        s = t.share(1, 1)
+        top = sorted(t.frames.items(), key=lambda kv: -kv[1])[:3]
+        total = sum(t.frames.values()) or 1
+        where = "; ".join(f"{frame_text(k)}{' (waiting)' if k[3] else ''} {n * 100 // total}%" for k, n in top)
+        waited = _pct(s) if s is not None else "-"
+        lines.append(f"{t.rank:>5} {t.host:<16} {waited:>7} {t.via or '-':<13} {where or '-'}")
+    if finding and finding.frame:
+        lines += ["", f"the named ranks' user code: {finding.frame[1]}:{finding.frame[2]} in {finding.frame[0]}"]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------ the agents
+
+class SampleStream:
+    """``stackagent.py sample`` on every host of the job at once, one line per window each."""
+
+    def __init__(self, job: JobInfo, window: float = WINDOW_S, rate: float = RATE_HZ, once: bool = False,
+                 on_sample: Optional[Callable[[HostSample], None]] = None, connect_timeout: float = 5.0):
+        self.job, self.window, self.rate, self.once = job, window, rate, once
+        self.on_sample = on_sample
+        self.connect_timeout = connect_timeout
+        self.hosts = list(dict.fromkeys(job.hosts))
+        self._latest: dict[str, HostSample] = {}
+        self._lock = threading.Lock()
+        self._procs: list[subprocess.Popen] = []
+        self._threads: list[threading.Thread] = []
+        self._started_at = 0.0
+
+    def start(self) -> None:
+        from launcher.stacks import agent_argv
+
+        via = "faulthandler" if os.environ.get("DTRUN_NO_PYSPY", "").strip() == "1" else "auto"
+        extra = [f"{self.rate:g}", via] + (["once"] if self.once else [])
+        self._started_at = time.monotonic()
+        for host in self.hosts:
+            argv = agent_argv(self.job, host, "sample", self.window, extra, connect_timeout=self.connect_timeout)
+            try:
+                p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+            except OSError as exc:
+                self._put(HostSample(host, error=f"cannot run {argv[0]}: {exc.strerror}"))
+                continue
+            self._procs.append(p)
+            t = threading.Thread(target=self._read, args=(host, p), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _put(self, sample: HostSample) -> None:
+        sample.at = time.monotonic()
+        with self._lock:
+            self._latest[sample.host] = sample
+        if self.on_sample is not None:
+            try:
+                self.on_sample(sample)
+            except Exception:  # an observer's failure must never stop the readers
+                pass
+
+    def _read(self, host: str, p: subprocess.Popen) -> None:
+        err: deque = deque(maxlen=5)
+        t = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)
+        t.start()
+        got = False
+        for line in p.stdout:
+            try:
+                data = json.loads(line)
+                name = str(data.get("host") or host)
+                ranks = [RankView.parse(r, name) for r in data.get("ranks", []) if isinstance(r, dict) and "rank" in r]
+            except (ValueError, TypeError, KeyError):
+                continue
+            got = True
+            window = data.get("window")
+            self._put(HostSample(host, name, ranks, data.get("gpus") or [],
+                                 window=float(window) if isinstance(window, (int, float)) else self.window))
+        p.wait()
+        t.join(1)
+        if not got:
+            why = next((ln.strip() for ln in reversed(err) if ln.strip()), f"exit code {p.returncode}")
+            self._put(HostSample(host, error=why[:200]))
+
+    def latest(self) -> dict[str, HostSample]:
+        with self._lock:
+            return dict(self._latest)
+
+    def wait_all(self, deadline: float) -> bool:
+        """Until every host has answered (a line or an error) or ``deadline`` (monotonic)."""
+        while time.monotonic() < deadline:
+            if len(self.latest()) == len(self.hosts):
+                return True
+            time.sleep(0.05)
+        return len(self.latest()) == len(self.hosts)
+
+    def running(self) -> bool:
+        """Whether some host's agent still runs (they end when their ranks have ended)."""
+        return any(p.poll() is None for p in self._procs)
+
+    def wait_ended(self, timeout: float) -> None:
+        """Until every agent has ended by itself (its ranks ended), at most ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def stop(self) -> None:
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self._procs:
+            try:
+                p.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def enabled(environ=os.environ) -> bool:
+    return environ.get(DISABLE_VAR, "1").strip() != "0"
+
+
+class StragglerWatch:
+    """A job observer (launcher/run.py's JobObserver): samples every rank while the job runs,
+    prints the finding when it ends; with ``top`` also the live table on stderr."""
+
+    def __init__(self, job: JobInfo, top: bool = False, out: Callable[[str], None] = None,
+                 min_run: float = MIN_RUN_S):
+        self.job, self.top, self.min_run = job, top, min_run
+        self.out = out or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
+        self.totals: dict[int, RankTotals] = {}
+        self.recent = Recent()
+        self._steady = SteadyState()
+        self.finding: Optional[Finding] = None
+        self.report_path: Optional[str] = None
+        self._lock = threading.Lock()
+        self._started: set = set()
+        self._t0 = time.monotonic()
+        self._stream: Optional[SampleStream] = None
+        self._timer: Optional[threading.Timer] = None
+        self._stop = threading.Event()
+        self._shown = 0.0  # when the live table was last printed (--top)
+        self.active = top or (job.np >= 2 and enabled())
+
+    def on_start(self, _job) -> None:
+        self._t0 = time.monotonic()
+
+    def on_output(self, _stream, _data) -> None:
+        pass
+
+    def on_signal(self, _signum) -> bool:
+        return False
+
+    def on_rank_exit(self, _failure) -> None:
+        pass
+
+    def on_rank_start(self, rank, _host) -> None:
+        with self._lock:
+            self._started.add(rank)
+            if not self.active or len(self._started) != self.job.np or self._timer is not None:
+                return
+            self._timer = threading.Timer(0 if self.top else START_DELAY_S, self._begin)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _begin(self) -> None:
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._stream = SampleStream(self.job, 1.0 if self.top else WINDOW_S, 20.0 if self.top else RATE_HZ,
+                                        on_sample=self._seen)
+            self._stream.start()
+
+    def _seen(self, sample: HostSample) -> None:
+        with self._lock:
+            count, reset = self._steady.admit(sample)
+            if reset:
+                self.totals.clear()
+            if count:
+                accumulate(self.totals, sample)
+        self.recent.add(sample)
+        if self.top and self._stream is not None:
+            from launcher.top import render, view
+
+            latest = self._stream.latest()
+            now = time.monotonic()
+            # once a window (each host's line arrives on its own), when every host has answered
+            if all(h in latest for h in self._stream.hosts) and now - self._shown >= 0.8 * self._stream.window:
+                self._shown = now
+                text = render(view(self.job, latest, self.recent.totals()))
+                self.out(("\x1b[H\x1b[2J" if sys.stderr.isatty() else "") + text)
+
+    def on_end(self, result) -> None:
+        with self._lock:
+            self._stop.set()
+            if self._timer is not None:
+                self._timer.cancel()
+            stream = self._stream
+        if stream is None:
+            return
+        ran = time.monotonic() - self._t0
+        worth = (self.job.np >= 2 and enabled() and ran >= self.min_run
+                 and not any(getattr(result, k, False) for k in ("interrupted", "hung")))
+        if worth:
+            stream.wait_ended(2.5)  # the agents print the last window as the ranks end
+        stream.stop()
+        if not worth:
+            return
+        with self._lock:
+            totals = list(self.totals.values())
+        self.finding = find_straggler(totals)
+        if self.finding is None:
+            return
+        line = render_finding(self.finding)
+        self.report_path = self._write_report(line, totals)
+        self.out(f"dtrun: {line}" + (f"\n  report: {self.report_path}" if self.report_path else ""))
+
+    def _write_report(self, line: str, totals) -> Optional[str]:
+        from pathlib import Path
+
+        from launcher.paths import cache_dir
+
+        try:
+            d = Path(self.job.log_dir or (cache_dir() / "hangs"))
+            d.mkdir(parents=True, exist_ok=True)
+            path = d / f"straggler-{self.job.id}-{time.strftime('%H%M%S')}.txt"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(report_text(self.finding, totals, f"dtrun: {line}"))
+            return str(path)
+        except OSError:
+            return None
