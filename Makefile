@@ -50,15 +50,19 @@ bench: setup
 	@if [ -f benchmarks/bench_collectives.py ]; then $(BIN)/python benchmarks/bench_collectives.py; fi
 	@if [ -f benchmarks/bench_doctor.py ]; then $(BIN)/python benchmarks/bench_doctor.py; fi
 	$(BIN)/python benchmarks/bench_hang.py
+	@if [ "$$(id -u)" = 0 ]; then $(BIN)/python benchmarks/bench_restarts.py --hosts 3; else echo "bench_restarts: needs root (namespace hosts)"; fi
 	@if [ "$$(id -u)" = 0 ]; then $(BIN)/python benchmarks/bench_output.py; else echo "bench_output: needs root (namespace hosts)"; fi
+	$(BIN)/python benchmarks/bench_straggler.py
 	@if $(BIN)/python -c 'import torch' 2>/dev/null; then $(BIN)/python benchmarks/bench_ddp.py; \
 	else echo "bench_ddp: PyTorch is not installed; skipped"; fi
+	@if $(BIN)/python -c 'import torch, tensorflow' 2>/dev/null; then $(BIN)/python benchmarks/bench_horovod.py; else echo "bench_horovod: PyTorch or TensorFlow is not installed; skipped"; fi
 
 # 65-host figures: cluster up/down, launch against bare mpirun (Open MPI 5 and 4.1), doctor and
 # the preflight at 1/4/16/64 hosts against parallel ssh, the links stage. Needs root.
 bench-scale: setup
 	mkdir -p bench-results
 	$(BIN)/python benchmarks/bench_scale.py
+	@if [ "$$(id -u)" = 0 ]; then $(BIN)/python benchmarks/bench_restarts.py --hosts 16; else echo "bench_restarts: needs root (namespace hosts)"; fi
 
 cluster-up: setup
 	$(BIN)/python -m tests.nscluster up $(N)

@@ -35,6 +35,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
+from . import objects as _objects
 from .errors import CollectiveError, MismatchError
 
 AVG, SUM = "avg", "sum"
@@ -139,31 +140,12 @@ def local_rank() -> int:
 # ---------------------------------------------------------------- broadcasts
 def broadcast_object(obj: Any, root: int = 0) -> Any:
     """Root's ``obj`` (any picklable object: an epoch counter, a config) on every rank."""
-    ctx = _ctx("broadcast_object")
-    comm = ctx.comm
-    with _LOCK:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if ctx.rank == root else b""
-        n = np.array([len(data)], dtype=np.int64)
-        comm.broadcast(n, root=root, inplace=True)
-        buf = np.frombuffer(bytearray(data), dtype=np.uint8) if ctx.rank == root \
-            else np.empty(int(n[0]), dtype=np.uint8)
-        if buf.size:
-            comm.broadcast(buf, root=root, inplace=True)
-    return obj if ctx.rank == root else pickle.loads(buf.tobytes())
+    return _objects.broadcast_object(_ctx("broadcast_object").comm, obj, root, lock=_LOCK)
 
 
 def _allgather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank."""
-    comm = _ctx("allgather").comm
-    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-    with _LOCK:
-        lengths = comm.allgather(np.array([data.size], dtype=np.int64))
-        blob = comm.allgatherv(data.copy())
-    out, start = [], 0
-    for n in lengths.tolist():
-        out.append(pickle.loads(blob[start:start + n].tobytes()))
-        start += n
-    return out
+    return _objects.allgather_objects(_ctx("allgather").comm, obj, lock=_LOCK)
 
 
 def _named_tensors(obj: Any) -> list[tuple[str, torch.Tensor]]:
@@ -215,6 +197,80 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0) -
     state = broadcast_object(state, root=root)
     if ctx.rank != root:
         optimizer.load_state_dict(state)  # casts tensors to each parameter's device
+
+
+# ---------------------------------------------------------------- checkpoints
+def save_checkpoint(path: str, state: Any) -> None:
+    """Write ``state`` to ``path`` from rank 0; every rank returns once it is on disk.
+
+    Atomic: rank 0 writes a temporary file beside ``path``, flushes it to disk and renames
+    it over ``path``, so a job killed mid-write (a lost host, ``--max-restarts``) leaves
+    the previous checkpoint whole. Tensors are saved with ``torch.save``. A failure on
+    rank 0 (a full disk) raises the same error on every rank instead of leaving the
+    others waiting. Collective.
+    """
+    import os
+
+    ctx = _ctx("save_checkpoint")
+    error = None
+    if ctx.rank == 0:
+        path = os.fspath(path)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(_to_cpu(state), f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        except OSError as exc:
+            error = f"{path}: {exc.strerror or exc}"
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    error = broadcast_object(error)
+    if error is not None:
+        raise OSError(f"save_checkpoint on rank 0: {error}")
+
+
+def load_checkpoint(path: str) -> Any:
+    """The state last saved at ``path`` on every rank, or None when there is none (a first run).
+
+    Rank 0 reads the file and sends it to the others, so it need not be on a file system
+    every host shares. Collective.
+    """
+    import os
+
+    ctx = _ctx("load_checkpoint")
+    answer = None
+    if ctx.rank == 0:
+        path = os.fspath(path)
+        try:
+            with open(path, "rb") as f:
+                answer = ("ok", torch.load(f, map_location="cpu", weights_only=False))
+        except FileNotFoundError:
+            answer = ("none", None)
+        except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as exc:
+            answer = ("error", f"{path}: {type(exc).__name__}: {exc}")
+    kind, value = broadcast_object(answer)
+    if kind == "error":
+        raise OSError(f"load_checkpoint on rank 0: {value}")
+    return value
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make a rename durable (best effort: some file systems cannot open a directory)."""
+    import os
+
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- metrics and data

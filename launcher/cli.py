@@ -14,7 +14,7 @@ import typer
 
 from launcher.errors import DtrunError, ExitCode, UsageError
 
-SUBCOMMANDS = ("hosts", "smoke", "bench", "doctor", "keyscan", "completion", "stacks")
+SUBCOMMANDS = ("hosts", "smoke", "bench", "doctor", "keyscan", "completion", "stacks", "top")
 _state = {"traceback": False}
 
 run_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
@@ -39,7 +39,7 @@ def _show_version(value: bool) -> None:
 
 @run_app.command(
     context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
-    epilog="Subcommands: dtrun hosts | smoke | bench | doctor | keyscan | completion | stacks (each with --help).",
+    epilog="Subcommands: dtrun hosts | smoke | bench | doctor | keyscan | completion | stacks | top (each with --help).",
 )
 def run(
     program: List[str] = typer.Argument(None, help="The program and its arguments (never parsed by dtrun).",
@@ -69,9 +69,13 @@ def run(
     no_preflight: bool = typer.Option(False, "--no-preflight", help="Skip the check of ssh and interfaces before a multi-host launch."),
     verbose: bool = typer.Option(False, "--verbose", help="Before launching, print what dtrun decided and why (the --dry-run text, on stderr)."),
     hang_timeout: Optional[float] = typer.Option(None, "--hang-timeout", help="Report every rank's stack when no rank makes progress for S seconds.", metavar="S"),
-    on_hang: str = typer.Option("report", "--on-hang", help="After the hang report: 'report' (the job goes on) or 'abort' (stop it, exit 125)."),
+    on_hang: str = typer.Option("report", "--on-hang", help="After the hang report: 'report' (the job goes on), 'abort' (stop it, exit 125) or 'restart' (stop it; --max-restarts starts it again)."),
+    max_restarts: int = typer.Option(0, "--max-restarts", help="Restart a failed job up to N times, leaving out hosts that fail a check (exit 123 when all fail).", metavar="N"),
+    min_np: Optional[str] = typer.Option(None, "--min-np", help="With --max-restarts: go on with fewer ranks, down to M, when hosts are lost and no spare is left.", metavar="M"),
+    spares: Optional[str] = typer.Option(None, "--spares", help="With --max-restarts: hosts (host:slots,...) that take the place of lost ones.", metavar="HOSTS"),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop the job after this many seconds (exit 124)."),
     start_timeout: float = typer.Option(120.0, "--start-timeout", help="Stop the job if some ranks have not started after this many seconds, naming their hosts (exit 124; 0: no limit)."),
+    top: bool = typer.Option(False, "--top", help="Show the live per-rank table of `dtrun top` on stderr while the job runs."),
     traceback: bool = typer.Option(False, "--traceback", help="Show the Python traceback of an error."),
     version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
                                  help="Print dtrun's version and the MPI it would use, then exit."),
@@ -88,13 +92,14 @@ def run(
         no_tree_spawn=no_tree_spawn, mpirun=mpirun, ssh_config=ssh_config, dry_run=dry_run,
         preflight=not no_preflight, verbose=verbose, hang_timeout=hang_timeout, on_hang=on_hang,
         timeout=timeout, start_timeout=start_timeout,
-        pin_gpus=pin_gpus, launcher=launcher,
+        pin_gpus=pin_gpus, launcher=launcher, max_restarts=max_restarts, min_np=min_np, spares=spares, top=top,
     )
     # The CLI is the one place that joins the launcher and the checks: the preflight returns
     # an interface choice that the launch applies (launcher/ itself never imports checks/).
+    from checks.hostcheck import check_hosts
     from checks.preflight import preflight
 
-    raise typer.Exit(launch(opts, preflight))
+    raise typer.Exit(launch(opts, preflight, check_hosts))
 
 
 def _mca_pair(item: str) -> tuple[str, str]:
@@ -179,6 +184,20 @@ def stacks_cmd(
     from launcher.stackscmd import show_stacks
 
     raise typer.Exit(show_stacks(job, timeout))
+
+
+@sub_app.command("top")
+def top_cmd(
+    job: Optional[str] = typer.Argument(None, help="The job's id or dtrun pid (needed when several run)."),
+    once: bool = typer.Option(False, "--once", help="Print one table (or JSON object) and exit."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table (one object per refresh)."),
+    interval: Optional[float] = typer.Option(None, "--interval", help="Seconds each refresh measures, 1 to 60 (default 1; 3 with --once)."),
+    timeout: float = typer.Option(5.0, "--timeout", help="Seconds a host may take to connect before it is named."),
+):
+    """A live table of a running job per rank: rate, waiting, CPU, memory, GPU, the straggler; the job goes on."""
+    from launcher.top import TopSpec, show_top
+
+    raise typer.Exit(show_top(TopSpec(job, once, json_out, interval, timeout)))
 
 
 # Options that take more than one value. click options take one; dtrun folds

@@ -16,6 +16,7 @@ class ExitCode(IntEnum):
     FAILED = 1  # a check failed, or the job failed without a code of its own
     USAGE = 2  # bad input: arguments, hostfiles, a missing mpirun
     TIMEOUT = 124  # --timeout or --start-timeout stopped the job (as timeout(1) reports it)
+    RESTARTS = 123  # --max-restarts used up, or too few slots left for --min-np (launcher/restarts.py)
     HANG = 125  # --hang-timeout with --on-hang abort: no progress, dtrun stopped the job
     INTERRUPTED = 130  # Ctrl-C / SIGINT, as shells report it
 

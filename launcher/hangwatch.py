@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +21,7 @@ from typing import Callable, Optional
 
 from launcher.jobstate import JobInfo
 
-ON_HANG = ("report", "abort")
+ON_HANG = ("report", "abort", "restart")  # restart: stop as abort does, then --max-restarts (launcher/restarts.py)
 
 
 class Monitor:
@@ -31,6 +32,7 @@ class Monitor:
         self.job = job
         self.hang_timeout = hang_timeout
         self.on_hang = on_hang
+        self.nspace = ""  # the job's Open MPI 5 PMIx namespace, once it runs (on_start)
         self.stacks_timeout = stacks_timeout
         self.out = out or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
         self.wants_output = hang_timeout is not None  # relay stdout through dtrun to see lines
@@ -84,7 +86,10 @@ class Monitor:
 
     # -- the same, as a job observer of run_job (on_start / on_output / on_signal / on_end)
     def on_start(self, job) -> None:
-        self.start(abort=lambda: job.stop("no progress (--on-hang abort)"))
+        # Open MPI 5 names the job's PMIx namespace after this host and mpirun's pid: the kill
+        # agent proves a daemon whose ranks have ended by it (stackagent.kill).
+        self.nspace = f"prterun-{socket.gethostname()}-{job.pid}@0"
+        self.start(abort=lambda: job.stop(f"no progress (--on-hang {self.on_hang})"))
 
     def on_output(self, _stream, _data) -> None:
         self.saw_output()
@@ -107,8 +112,14 @@ class Monitor:
             return True
         return False
 
-    def on_end(self, _result) -> None:
+    def on_end(self, result) -> None:
         self.stop()
+        if (getattr(result, "returncode", 0) != 0 and getattr(result, "launcher", "") != "srun"
+                and not any(getattr(result, k, False) for k in ("interrupted", "hung", "stopped"))):
+            # A failed rank's peers can be SIGKILLed by MPI before their wrappers tidy up; on a
+            # host without a shared file system their files would stay. (A job dtrun stopped
+            # gets kill_leftovers, which tidies too; under srun ssh may be blocked.)
+            self.tidy_remote_hosts()
 
     # -- progress
     def _start_watchers(self) -> None:
@@ -172,9 +183,9 @@ class Monitor:
                 fired_at = now
                 what = "collectives" if self._runtime else "output"
                 self._report(f"hang: no progress for {now - last:.0f} s (no {what} from any rank).", now)
-                if self.on_hang == "abort":
+                if self.on_hang in ("abort", "restart"):
                     self.hung = True
-                    self.out("dtrun: --on-hang abort: stopping the job")
+                    self.out(f"dtrun: --on-hang {self.on_hang}: stopping the job")
                     if self._abort:
                         self._abort()
                     return
@@ -197,13 +208,25 @@ class Monitor:
         Bounded by ``budget`` seconds in all, whatever the network does (a silent host's
         ssh client is killed when it runs out).
         """
+        self._run_agents("kill", dict.fromkeys(self.job.hosts), budget, (self.nspace,) if self.nspace else ())
+
+    def tidy_remote_hosts(self, budget: float = 3.0) -> None:
+        """On every other host at once, remove what the job's ended ranks left in the job
+        directory there (stackagent.py tidy); dtrun removes its own host's directory."""
+        from launcher.hosts import is_local
+
+        hosts = [h for h in dict.fromkeys(self.job.hosts) if not is_local(h)]
+        if hosts:
+            self._run_agents("tidy", hosts, budget)
+
+    def _run_agents(self, mode: str, hosts, budget: float, extra=()) -> None:
         from launcher.stacks import agent_argv
 
         deadline = time.monotonic() + budget
         procs = []
-        for host in dict.fromkeys(self.job.hosts):
+        for host in hosts:
             try:
-                procs.append(subprocess.Popen(agent_argv(self.job, host, "kill", budget), stdout=subprocess.DEVNULL,
+                procs.append(subprocess.Popen(agent_argv(self.job, host, mode, budget, extra), stdout=subprocess.DEVNULL,
                                               stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
                                               start_new_session=True))
             except OSError:

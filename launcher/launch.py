@@ -72,6 +72,11 @@ class LaunchOptions:
     timeout: Optional[float] = None  # seconds the whole job may run
     start_timeout: Optional[float] = DEFAULT_START_TIMEOUT_S  # seconds until every rank has started
     launcher: str = "auto"  # "srun", "mpirun", or srun inside an allocation when the MPI can (launcher/slurm.py)
+    max_restarts: int = 0  # restart a failed job up to N times without the hosts that fail the check (launcher/restarts.py)
+    min_np: Optional[int | str] = None  # a restarted job may go on with fewer ranks, down to this
+    spares: Optional[str] = None  # hosts (-H syntax) a restarted job may use in place of lost ones
+    top: bool = False  # --top: the live table of `dtrun top` on stderr while the job runs (launcher/straggler.py)
+    selection: Optional[HostSelection] = None  # set by the restart loop (this attempt's hosts), never from the command line
 
 
 def warn(msg: str) -> None:
@@ -125,11 +130,16 @@ def exclusions(user: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
 
 
 def new_run_id(now: Optional[float] = None, pid: Optional[int] = None) -> str:
-    """The subdirectory of --log-dir for one run: start time and dtrun's pid (sorts by time)."""
+    """The subdirectory of --log-dir for one run: start time, dtrun's pid and a random part.
+
+    The time sorts the runs; the random part keeps another user of a shared DIR from
+    guessing the name and creating it first (``start_log_dir`` refuses one that exists).
+    """
+    import secrets
     import time
 
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
-    return f"{stamp}-{os.getpid() if pid is None else pid}"
+    return f"{stamp}-{os.getpid() if pid is None else pid}-{secrets.token_hex(4)}"
 
 
 @dataclass(frozen=True)
@@ -180,6 +190,41 @@ def _interfaces(opts: LaunchOptions, flavor: Flavor, environ: Mapping[str, str],
     return (), cmd.DEFAULT_EXCLUDE, "default", None
 
 
+def check_usage(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, environ: Mapping[str, str]) -> int:
+    """Every check of the command line that needs no network; returns the number of ranks.
+
+    ``prepare_launch`` runs it before the preflight, so a usage error (``-np 0``, more
+    ranks than slots, a bad -x or --mca, conflicting interface flags, no program) is
+    reported as such (exit 2) even when a host cannot be reached; ``make_spec`` runs it
+    again, so a spec is never built from unchecked options.
+
+    Raises:
+        UsageError: the first problem found, naming its argument.
+    """
+    if not opts.program:
+        raise UsageError("no program given: dtrun [OPTIONS] PROGRAM [ARGS...]")
+    np = resolve_np(opts.np, selection, opts.oversubscribe)
+    for item in opts.env:
+        cmd.parse_env_item(item)
+    for item in opts.mca:
+        if len(item) != 2:
+            raise UsageError("--mca needs two values: --mca KEY VALUE")
+        safe.mca_value(safe.mca_key(item[0]), item[1])
+    if opts.mca and not flavor.is_openmpi:
+        raise UsageError("--mca is an Open MPI option; this mpirun is MPICH (Hydra)")
+    _mpi_args(opts.mpi_args)
+    for flag, value in (("--log-dir", opts.log_dir), ("--nccl-debug", opts.nccl_debug)):
+        if value is not None:
+            safe.plain_text(value, flag)
+    if opts.include_iface and opts.exclude_iface:
+        raise UsageError("--include-iface and --exclude-iface cannot be used together (Open MPI rejects both at once)")
+    for flag, value in (("--include-iface", opts.include_iface), ("--exclude-iface", opts.exclude_iface)):
+        if value:
+            _split_ifaces(value, flag)
+    job_ssh_files(selection, base_ssh_config(opts.ssh_config, selection.ssh_config, environ), flavor.is_openmpi)
+    return np
+
+
 def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, environ: Mapping[str, str],
               choice: Optional[InterfaceChoice] = None, local: LocalFacts = LocalFacts()) -> cmd.LaunchSpec:
     """Settle every choice the command line depends on. Pure: no DNS, no ``ip``, no file written.
@@ -192,20 +237,9 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, env
     The ssh files a launch needs are described in the spec (``ssh_files``); ``launch``
     writes them.
     """
-    if not opts.program:
-        raise UsageError("no program given: dtrun [OPTIONS] PROGRAM [ARGS...]")
-    np = resolve_np(opts.np, selection, opts.oversubscribe)
+    np = check_usage(opts, flavor, selection, environ)
     local_only = all_local(selection.hosts)
-    for item in opts.env:
-        cmd.parse_env_item(item)
-    for item in opts.mca:
-        if len(item) != 2:
-            raise UsageError("--mca needs two values: --mca KEY VALUE")
-        safe.mca_value(safe.mca_key(item[0]), item[1])
     mpi_args = _mpi_args(opts.mpi_args)
-    for flag, value in (("--log-dir", opts.log_dir), ("--nccl-debug", opts.nccl_debug)):
-        if value is not None:
-            safe.plain_text(value, flag)
     include, exclude, reason, nccl = _interfaces(opts, flavor, environ, local_only, choice, local.shared)
     if opts.include_iface or opts.exclude_iface:
         local_only = False
@@ -232,7 +266,9 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, env
         iface_reason=reason,
         local_only=local_only,
         env=tuple(opts.env),
-        env_names_set=frozenset(k for k in ("LD_LIBRARY_PATH", "NCCL_SOCKET_IFNAME") if environ.get(k)),
+        env_names_set=frozenset(k for k in ("LD_LIBRARY_PATH", "NCCL_SOCKET_IFNAME", "OMPI_MCA_osc", "OMPI_MCA_pml",
+                                          "OMPI_MCA_btl")
+                                if environ.get(k)),
         mca=tuple(opts.mca),
         mpi_args=mpi_args,
         tag_output=tag,
@@ -287,12 +323,14 @@ def prepare_launch(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = N
     from launcher import slurm
 
     environ = os.environ if environ is None else environ
-    selection = resolve_hosts(opts.host_list, opts.hostfile, opts.cluster, opts.include, opts.exclude, environ)
+    selection = opts.selection or resolve_hosts(opts.host_list, opts.hostfile, opts.cluster, opts.include,
+                                                opts.exclude, environ)
     for w in selection.warnings:
         warn(w)
     flavor = detect_flavor(find_mpirun(opts.mpirun, environ), write_cache=not opts.dry_run)
     launcher_choice = slurm.choose_launcher(opts.launcher, flavor, selection.source == SLURM_SOURCE, environ)
     in_slurm = launcher_choice.allocation is not None and selection.source == SLURM_SOURCE
+    check_usage(opts, flavor, selection, environ)  # before any network step: a usage error is not a host's
     choice = None
     if opts.preflight and not all_local(selection.hosts):
         if in_slurm:
@@ -336,19 +374,50 @@ def describe(opts: LaunchOptions, selection, flavor: Flavor, spec: cmd.LaunchSpe
 
 
 def start_log_dir(log_dir: str) -> None:
-    """Create this run's log directory and point DIR/latest at it (best effort for the link)."""
-    os.makedirs(log_dir, exist_ok=True)
-    latest = os.path.join(os.path.dirname(log_dir), "latest")
+    """Create this run's log directory, new and private (mode 0700), and point DIR/latest at it.
+
+    A directory of that name that exists already (another run's, or one planted in a shared
+    DIR) is refused, never written into. DIR/latest is replaced by a rename, never followed,
+    and is skipped where it cannot be made (a file system without symlinks, a directory
+    of that name): the run's own directory is what counts.
+    """
+    import secrets
+
+    parent, name = os.path.split(log_dir)
     try:
-        tmp = f"{latest}.{os.getpid()}"
-        os.symlink(os.path.basename(log_dir), tmp)
-        os.replace(tmp, latest)
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--log-dir {parent}: cannot create it: {exc.strerror}") from None
+    try:
+        os.mkdir(log_dir, 0o700)
+    except FileExistsError:
+        raise UsageError(f"--log-dir: {log_dir} exists already: each run writes into a new directory that it "
+                         "creates itself, never into one made by another run or another user") from None
+    except OSError as exc:
+        raise UsageError(f"--log-dir: cannot create {log_dir}: {exc.strerror}") from None
+    try:
+        dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
-        pass  # a file system without symlinks: the run's own directory is still there
+        return
+    tmp = f".latest.{secrets.token_hex(6)}"
+    try:
+        os.symlink(name, tmp, dir_fd=dfd)
+        try:
+            os.replace(tmp, "latest", src_dir_fd=dfd, dst_dir_fd=dfd)
+        except OSError:
+            os.unlink(tmp, dir_fd=dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
 
 
-def launch(opts: LaunchOptions, preflight: Optional[Preflight] = None) -> int:
-    """Run (or with --dry-run, print) the job; return dtrun's exit code (``preflight``: see ``prepare``)."""
+def launch(opts: LaunchOptions, preflight: Optional[Preflight] = None, host_check=None) -> int:
+    """Run (or with --dry-run, print) the job; return dtrun's exit code (``preflight``: see ``prepare``).
+
+    ``host_check`` (given by the CLI: ``checks.hostcheck.check_hosts``) checks the hosts after
+    a failure: those that fail it are named, and left out of a restart (launcher/restarts.py).
+    """
     from launcher.hangwatch import ON_HANG
 
     if opts.hang_timeout is not None and not opts.hang_timeout > 0:
@@ -358,20 +427,30 @@ def launch(opts: LaunchOptions, preflight: Optional[Preflight] = None) -> int:
     check_seconds(opts.timeout, "--timeout")
     check_seconds(opts.start_timeout, "--start-timeout")
     if opts.dry_run or not opts.rank_wrapper:
+        from launcher.restarts import check_options
+
+        check_options(opts, None)
         return _launch(opts, None, preflight)
-    from dataclasses import replace
+    from launcher import restarts
 
-    from launcher import jobstate
-
-    job_dir = jobstate.new_dir()  # where ranks leave state for `dtrun stacks` (launcher/rankstate.py)
-    try:
-        return _launch(replace(opts, job_dir=job_dir), job_dir, preflight)
-    finally:
-        jobstate.remove(job_dir)
+    # One attempt, or with --max-restarts several, each in a job directory of its own where
+    # ranks leave state for `dtrun stacks` (launcher/rankstate.py).
+    return restarts.run(opts, _attempt, preflight, host_check)
 
 
 def _launch(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Preflight]) -> int:
+    return _attempt(opts, job_dir, preflight).code
+
+
+def _attempt(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Preflight], observers=(),
+             cleanup: bool = True):
+    """Run one attempt of the job: a ``launcher.restarts.Attempt`` (dtrun's exit code, the result,
+    the hosts). ``cleanup=False`` leaves the clean-up after a failure to the restart loop,
+    which first checks the hosts (a signal still cleans up here)."""
+    import time
+
     from launcher import slurm
+    from launcher.restarts import Attempt
 
     selection, flavor, spec, groups, choice = prepare_launch(opts, preflight=preflight)
     notes = slurm.srun_notes(spec, flavor) if choice.launcher == "srun" else cmd.flavor_notes(spec, flavor)
@@ -380,7 +459,7 @@ def _launch(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Pre
         for f in spec.ssh_files:
             print(f"# a launch first writes {f.path} (--dry-run wrote nothing):")
             print("\n".join(f"#   {line}" for line in f.text.splitlines()))
-        return ExitCode.OK
+        return Attempt(ExitCode.OK)
     if opts.verbose:
         print("\n".join(f"dtrun: {line}" for line in describe(opts, selection, flavor, spec, groups, notes, choice).splitlines()),
               file=sys.stderr, flush=True)
@@ -401,6 +480,9 @@ def _launch(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Pre
         from launcher import sessiondirs
 
         sessiondirs.sweep()
+        # mpirun's own directory is locked while it runs: only then may a sweep from any pid
+        # namespace that shares this temporary directory tell it from a killed job's.
+        observers = tuple(observers) + (sessiondirs.LauncherLock(),)
     monitor = None
     if job_dir is not None:
         from launcher import jobstate
@@ -409,16 +491,25 @@ def _launch(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Pre
         job = jobstate.write(job_dir, [h.host for h in selection.hosts], spec.np, spec.ssh_config, spec.log_dir,
                              flavor.label, spec.program)
         monitor = Monitor(job, opts.hang_timeout, opts.on_hang)
+        from launcher.straggler import StragglerWatch
+
+        observers = tuple(observers) + (StragglerWatch(job, top=opts.top),)  # the straggler finding at the end
     expected = expected_hosts(spec.hosts, spec.np) if spec.rank_wrapper else []
     stop_watch = watch_allocation(choice.allocation.job_id, environ=os.environ) if choice.allocation else None
+    started = time.monotonic()
     try:
         result = run_job(argv, timeout=check_seconds(opts.timeout, "--timeout"),
                          start_timeout=check_seconds(opts.start_timeout, "--start-timeout"), expected=expected,
-                         monitor=monitor)
+                         monitor=monitor, observers=observers)
     finally:
         if stop_watch is not None:
             stop_watch()
-    if monitor is not None and (result.hung or (result.stopped and choice.launcher != "srun")):
+    attempt = Attempt(0, result, tuple(expected_hosts(spec.hosts, spec.np)), tuple(h.host for h in spec.hosts),
+                      monitor.job if monitor is not None else None, srun=choice.launcher == "srun",
+                      in_slurm=choice.allocation is not None, elapsed=time.monotonic() - started, selection=selection)
+    cleanup = cleanup or result.interrupted
+    attempt.cleaned = cleanup
+    if cleanup and monitor is not None and (result.hung or (result.stopped and choice.launcher != "srun")):
         # Nothing of a job dtrun stopped may stay behind on any host: an MPI daemon can outlive
         # an mpirun that had to be killed (seen with Open MPI 5's prted on a loaded machine).
         # Under srun, Slurm ends the step's processes itself (and ssh may be blocked there).
@@ -442,7 +533,8 @@ def _launch(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Pre
         # Slurm stopped the ranks: that, not the first rank it killed, is the cause. Open MPI 5's
         # mpirun was seen to exit 0 when scancel killed its daemons' step; a killed job never exits 0.
         print(ended_message(choice.allocation.job_id, ended, "the job was stopped"), file=sys.stderr)
-        return result.returncode or signal_exit_code(signal.SIGTERM)
+        attempt.code, attempt.ended = result.returncode or signal_exit_code(signal.SIGTERM), True
+        return attempt
     if tree_spawn_failure(result, spec, flavor, len(selection.hosts), choice.launcher):
         result.notes.append(
             f"{len(selection.hosts)} hosts: Open MPI's daemons start each other over ssh (tree spawn), and mpirun "
@@ -450,8 +542,9 @@ def _launch(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Pre
             "(Open MPI 5 says nothing about it, 4.1 prints the ssh error with the child's address only): "
             "`dtrun doctor` names the pair, --no-tree-spawn starts every daemon from this host")
     if result.returncode != 0 or result.notes:
-        print(failure_summary(result, spec.log_dir), file=sys.stderr)
-    return result.returncode
+        print(failure_summary(result, spec.log_dir, opts.on_hang), file=sys.stderr)
+    attempt.code = result.returncode
+    return attempt
 
 
 def tree_spawn_failure(result, spec: cmd.LaunchSpec, flavor: Flavor, hosts: int, launcher: str) -> bool:

@@ -20,6 +20,7 @@ Other parts of dtrun follow a job through ``JobObserver`` (output, markers, sign
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import re
 import signal
@@ -31,16 +32,13 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from launcher.errors import ExitCode, LaunchError, signal_exit_code, signal_name
-from launcher.rankexec import EOF_MARKER, MARKER, START_MARKER
+from launcher.rankexec import EOF_MARKER, MARKER, MARKER_TOKEN_ENV, START_MARKER, marker_head
 
-_MARKER_RE = re.compile(re.escape(MARKER) + r" rank=(\S+) host=(\S+) (code|signal)=(-?\d+)(?: forwarded=([01]))?"
-                        r"(?: t=(\d+(?:\.\d+)?))?(?: start-error=([^;]*); program=(.*))?")
-# The wrapper's last stdout line, alone (after a launcher's rank tag) or after a last line
-# of the program's that had no newline.
-_EOF_LINE_RE = re.compile(r"(?m)^(?:\[[^\]\n]*\](?:<stdout>)?:? ?)?" + re.escape(EOF_MARKER) + r" rank=(\d+)\n")
-_TAG_RE = re.compile(r"(?:\[[^\]\n]*\](?:<stdout>)?:? ?)?")
-_EOF_GLUED_RE = re.compile(re.escape(EOF_MARKER) + r" rank=(\d+)(?=\n)")
-_START_RE = re.compile(re.escape(START_MARKER) + r" rank=(\S+) host=(\S+)")
+# A launcher's rank tag before a line: Open MPI's "[1,0]<stdout>: ", Hydra's "[0] ".
+_TAG_MAX = 128
+_TAG = r"(?:\[[^\]\n]{0,%d}\](?:<stdout>)?:? ?)?" % _TAG_MAX
+# Digits a marker's rank may have: a longer run is not a marker, so it is never held back.
+_RANK_DIGITS = 10
 # Open MPI's own report when no marker was seen (e.g. the program is not wrapped).
 _OMPI_RANK_RE = re.compile(r"Process name:\s+\[[^\]]*?,(\d+)\]")
 _OMPI_CODE_RE = re.compile(r"Exit code:\s+(\d+)")
@@ -122,13 +120,32 @@ class JobResult:
     forced: bool = False  # mpirun did not stop in time: its session on this host was killed
     stopped: bool = False  # dtrun stopped the job (a signal, a time limit, a failed rank, --on-hang abort)
     pmix_refused: Optional[str] = None  # where PMIx 5.0 refused to start (a stale session dir: launcher/sessiondirs.py)
+    launcher: str = "mpirun"  # the program that ran the job, as messages name it (srun, mpiexec.hydra, mpirun)
 
     @property
     def how_stopped(self) -> str:
         if self.forced:
-            return (f"mpirun did not stop within {STOP_GRACE_S:g} s, so it and everything it started on this host "
-                    f"were killed; a host that cannot be reached keeps its ranks until its connections time out")
-        return "mpirun stopped the job on every host"
+            return (f"{self.launcher} did not stop within {STOP_GRACE_S:g} s, so it and everything it started on this "
+                    f"host were killed; a host that cannot be reached keeps its ranks until its connections time out")
+        return f"{self.launcher} stopped the job on every host"
+
+    @property
+    def launcher_ended(self) -> str:
+        """How the launcher itself ended: "srun exited with code 137"."""
+        if self.mpirun_returncode < 0:
+            return f"{self.launcher} was killed by {signal_name(-self.mpirun_returncode)}"
+        return f"{self.launcher} exited with code {self.mpirun_returncode}"
+
+
+def launcher_name(argv: Sequence[str]) -> str:
+    """The launcher as users know it: the name it was run by (srun, mpirun, mpiexec.hydra), also
+    after ``env NAME=VALUE ...`` (how dtrun hands srun values that its --export cannot carry)."""
+    args = list(argv)
+    if args and os.path.basename(args[0]) == "env":
+        args = args[1:]
+        while args and "=" in args[0] and not args[0].startswith("-"):
+            args = args[1:]
+    return os.path.basename(args[0]) if args else "mpirun"
 
 
 class JobObserver:
@@ -156,8 +173,45 @@ class JobObserver:
         pass
 
 
-def parse_marker(line: str) -> Optional[RankFailure]:
-    m = _MARKER_RE.search(line)
+@dataclass(frozen=True)
+class MarkerPatterns:
+    """The wrapper's markers for one job's token (launcher/rankexec.py): a line that has a
+    marker's text but not this token is the program's own output and passes through."""
+
+    token: str
+    exit: re.Pattern
+    start: re.Pattern
+    eof_line: re.Pattern  # the wrapper's last stdout line, alone (after a rank tag)
+    eof_glued: re.Pattern  # ... or after a last line of the program's that had no newline
+    eof_head: str  # the end-of-output marker up to its rank number
+
+
+@functools.lru_cache(maxsize=8)
+def marker_patterns(token: str = "") -> MarkerPatterns:
+    """The patterns for ``token`` ("": the wrapper ran without one, outside dtrun)."""
+    exit_head, eof_head = marker_head(MARKER, token), marker_head(EOF_MARKER, token) + " rank="
+    return MarkerPatterns(
+        token,
+        re.compile(re.escape(exit_head) + r" rank=(\S+) host=(\S+) (code|signal)=(-?\d+)(?: forwarded=([01]))?"
+                   r"(?: t=(\d+(?:\.\d+)?))?(?: start-error=([^;]*); program=(.*))?"),
+        re.compile(re.escape(marker_head(START_MARKER, token)) + r" rank=(\S+) host=(\S+)"),
+        re.compile(r"(?m)^" + _TAG + re.escape(eof_head) + r"(\d+)\n"),
+        re.compile(re.escape(eof_head) + r"(\d+)(?=\n)"),
+        eof_head)
+
+
+ENV_END = "DTRUN_ENV_END"  # the last variable of mpirun's environment (see run_job)
+
+
+def new_marker_token() -> str:
+    """A job's marker token: random, so no program can print a marker by chance or by copying."""
+    import secrets
+
+    return secrets.token_hex(8)
+
+
+def parse_marker(line: str, token: str = "") -> Optional[RankFailure]:
+    m = marker_patterns(token).exit.search(line)
     if not m:
         return None
     rank, host, kind, value, fwd, when, start_error, program = m.groups()
@@ -169,8 +223,8 @@ def parse_marker(line: str) -> Optional[RankFailure]:
                        program=(program or "").rstrip() or None)
 
 
-def parse_start_marker(line: str) -> Optional[tuple[str, str]]:
-    m = _START_RE.search(line)
+def parse_start_marker(line: str, token: str = "") -> Optional[tuple[str, str]]:
+    m = marker_patterns(token).start.search(line)
     return (m.group(1), m.group(2)) if m else None
 
 
@@ -244,8 +298,9 @@ def pmix_refusal(text: str) -> Optional[str]:
 class _Pumps:
     """mpirun's stdout and stderr, copied to dtrun's own: the one place output flows through."""
 
-    def __init__(self, proc, observers, on_marker, on_start_marker, on_stdout_closed):
+    def __init__(self, proc, observers, on_marker, on_start_marker, on_stdout_closed, token: str = ""):
         self.proc = proc
+        self.token = token  # the job's marker token (rankexec.MARKER_TOKEN_ENV)
         self.observers = observers
         self.on_marker, self.on_start_marker, self.on_stdout_closed = on_marker, on_start_marker, on_stdout_closed
         self.ompi_report: list[str] = []
@@ -281,15 +336,18 @@ class _Pumps:
     def _read_stdout(self):
         fd = self.proc.stdout.fileno()
         held = ""
+        line_start = True  # what was passed on so far ended with a newline
         try:
             while True:
                 raw = os.read(fd, 1 << 16)
                 if not raw:
                     break
-                text, held = split_eof_markers(held + raw.decode("utf-8", "surrogateescape"), self.eof_ranks)
+                text, held = split_eof_markers(held + raw.decode("utf-8", "surrogateescape"), self.eof_ranks,
+                                               self.token, line_start)
                 data = text.encode("utf-8", "surrogateescape")
                 if not data:
                     continue
+                line_start = text.endswith("\n")
                 if self._stdout_seen < PMIX_SCAN_BYTES:  # they come before any rank's output
                     self._stdout_seen += len(data)
                     self.stdout_head.append(text)
@@ -346,11 +404,11 @@ class _Pumps:
         out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
         for raw in iter(self.proc.stderr.readline, b""):
             line = raw.decode("utf-8", "replace")
-            started = parse_start_marker(line)
+            started = parse_start_marker(line, self.token)
             if started is not None:
                 self.on_start_marker(*started)
                 continue
-            failure = parse_marker(line)
+            failure = parse_marker(line, self.token)
             if failure is not None:
                 self.on_marker(failure)
                 continue
@@ -390,32 +448,60 @@ class _Pumps:
                            signum=int(sig.group(1)) if sig else None)
 
 
-def split_eof_markers(text: str, seen: set) -> tuple[str, str]:
+def split_eof_markers(text: str, seen: set, token: str = "", line_start: bool = True) -> tuple[str, str]:
     """Remove the wrappers' end-of-output markers from ``text`` (adding their ranks to ``seen``).
 
-    Returns the text to pass on and a tail to hold back until more arrives: the part of
-    an unfinished last line that could be the start of a marker (anything else, a prompt
-    or a progress bar, goes out at once).
-    """
-    def drop(m):
-        seen.add(m.group(1))
-        return ""
+    ``line_start``: whether ``text`` begins a line (False when the output passed on so far
+    ended without a newline: a marker at the start of ``text`` is then glued to that line,
+    whose newline stays).
 
-    text = _EOF_GLUED_RE.sub(drop, _EOF_LINE_RE.sub(drop, text))
+    Returns the text to pass on and a tail to hold back until more arrives: the end of an
+    unfinished last line that could still become a marker (anything else, a prompt or a
+    progress bar, goes out at once). The tail is never longer than a rank tag and a marker,
+    so a long line without a newline is read once, chunk by chunk, however long it grows.
+    """
+    pat = marker_patterns(token)
+    if pat.eof_head in text:
+        def drop(m):
+            seen.add(m.group(1))
+            return ""
+
+        start = 0 if line_start else text.find("\n") + 1 or len(text)
+        text = pat.eof_glued.sub(drop, text[:start]) + pat.eof_glued.sub(drop, pat.eof_line.sub(drop, text[start:]))
     cut = text.rfind("\n") + 1
-    last = text[cut:]
-    tag = _TAG_RE.match(last)
-    body = last[tag.end():]
-    if last.startswith("[") and len(last) < 64 and not body.startswith(EOF_MARKER[:1]) or (tag.group(0) and not body):
-        return text[:cut], last  # maybe a launcher's rank tag, a marker to follow
-    if body and (body.startswith(EOF_MARKER) or EOF_MARKER.startswith(body)):
-        return text[:cut], last
-    i = last.find(EOF_MARKER[0])
+    hold = _marker_tail(text, cut, pat.eof_head, line_start or cut > 0)
+    return text[:hold], text[hold:]
+
+
+# What may follow a rank tag's "[...]" before the line itself (Open MPI 5: "<stdout>: ").
+_TAG_TAILS = ("<stdout>: ", "<stdout>:", "<stdout> ", "<stdout>", ": ", ":", " ", "")
+
+
+def _marker_tail(text: str, cut: int, head: str, line_start: bool) -> int:
+    """Where the part of the last line (from ``cut``) that may still become a marker starts."""
+    longest = len(head) + _RANK_DIGITS
+    if line_start and text.startswith("[", cut) and len(text) - cut <= longest + _TAG_MAX + 12:
+        # a rank tag, whole or in part, maybe with a marker to follow
+        close = text.find("]", cut)
+        if close == -1:
+            return cut
+        rest = text[close + 1:]
+        if any(t.startswith(rest) or (rest.startswith(t) and _may_become(rest[len(t):], head)) for t in _TAG_TAILS):
+            return cut
+    # a marker alone, or glued to a last line that had no newline: only the end can be one
+    i = text.find(head[0], max(cut, len(text) - longest))
     while i != -1:
-        if EOF_MARKER.startswith(last[i:]) or last[i:].startswith(EOF_MARKER):
-            return text[:cut + i], last[i:]  # maybe a marker after a last line with no newline
-        i = last.find(EOF_MARKER[0], i + 1)
-    return text, ""
+        if _may_become(text[i:], head):
+            return i
+        i = text.find(head[0], i + 1)
+    return len(text)
+
+
+def _may_become(s: str, head: str) -> bool:
+    """Whether ``s`` is the start of ``head`` followed by a rank number (without its newline yet)."""
+    if len(s) <= len(head):
+        return head.startswith(s)
+    return s.startswith(head) and len(s) - len(head) <= _RANK_DIGITS and s[len(head):].isdigit()
 
 
 def lost_daemon_host(stderr_text: str) -> Optional[str]:
@@ -468,6 +554,15 @@ def run_job(argv: Sequence[str], env: Optional[dict] = None, *, timeout: Optiona
     if monitor is not None:
         observers = tuple(observers) + (monitor,)
     stdin = subprocess.DEVNULL if sys.stdin is None or sys.stdin.isatty() else None
+    # The rank wrappers read this job's marker token from their environment: mpirun forwards it
+    # (-x / -genvlist, launcher/command.py), srun exports all of its own.
+    token = new_marker_token()
+    env = dict(os.environ if env is None else env)
+    env[MARKER_TOKEN_ENV] = token
+    # MPICH 4.0's Hydra drops the last variable of mpiexec's environment when it forwards
+    # -genvlist names to hosts it reaches over ssh: keep a variable nobody forwards last.
+    env.pop(ENV_END, None)
+    env[ENV_END] = "1"
     try:
         proc = subprocess.Popen(list(argv), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                                 start_new_session=True)
@@ -495,7 +590,7 @@ def run_job(argv: Sequence[str], env: Optional[dict] = None, *, timeout: Optiona
         state["stdout_closed"] = True
         job.stop("stdout closed")
 
-    pumps = _Pumps(proc, observers, on_marker, on_start_marker, on_stdout_closed)
+    pumps = _Pumps(proc, observers, on_marker, on_start_marker, on_stdout_closed, token)
     pumps.start()
     for o in observers:
         o.on_start(job)
@@ -580,8 +675,9 @@ def run_job(argv: Sequence[str], env: Optional[dict] = None, *, timeout: Optiona
 
 def _result(mpirun_rc: int, job: RunningJob, pumps: _Pumps, state: dict, expected: Sequence[str]) -> JobResult:
     interrupted = "signum" in state
+    launcher = launcher_name(job.proc.args)
     if (job.stop_reason or "").startswith("no progress"):  # the hang monitor's --on-hang abort
-        return JobResult(ExitCode.HANG, mpirun_rc, [], False, hung=True, stopped=True)
+        return JobResult(ExitCode.HANG, mpirun_rc, [], False, hung=True, stopped=True, launcher=launcher)
     failures = order_failures(job.failures, pumps.reported_rank())
     if root_cause(failures) is None and mpirun_rc != 0 and not interrupted:
         fb = pumps.fallback_failure()
@@ -605,7 +701,8 @@ def _result(mpirun_rc: int, job: RunningJob, pumps: _Pumps, state: dict, expecte
     result = JobResult(rc, mpirun_rc, failures, interrupted, signum, state.get("timeout"),
                        bool(state.get("stdout_closed")), lost, forced=bool(state.get("forced")),
                        stopped=job.stop_reason is not None,
-                       pmix_refused=None if job.started_ranks else pmix_refusal(stderr_tail + "".join(pumps.stdout_head)))
+                       pmix_refused=None if job.started_ranks else pmix_refusal(stderr_tail + "".join(pumps.stdout_head)),
+                       launcher=launcher)
     if mpirun_rc != 0 and root_cause(failures) is None and not lost and not interrupted and "timeout" not in state:
         # Open MPI does not always say which daemon it lost: the ranks that started and then sent
         # neither an exit report nor their last output line went down with their host or daemon.
@@ -622,7 +719,7 @@ def _result(mpirun_rc: int, job: RunningJob, pumps: _Pumps, state: dict, expecte
                             f"keeps all of it")
     if pumps.throttled:
         result.notes.append(f"the job wrote output faster than dtrun's stdout took it and more than "
-                            f"{STDOUT_BUFFER_MAX >> 20} MiB waited here; mpirun may have dropped some of it: "
+                            f"{STDOUT_BUFFER_MAX >> 20} MiB waited here; {launcher} may have dropped some of it: "
                             f"use --log-dir DIR for large output")
     return result
 
@@ -705,12 +802,15 @@ def kill_session(sid: int) -> None:
             pass
 
 
-def failure_summary(result: JobResult, log_dir: Optional[str] = None) -> str:
-    """One summary line and a short table like torchrun's, for a failed job."""
+def failure_summary(result: JobResult, log_dir: Optional[str] = None, on_hang: str = "abort") -> str:
+    """One summary line and a short table like torchrun's, for a failed job (``on_hang``: the
+    --on-hang mode that stopped a hung job)."""
     lines = [f"dtrun: warning: {n}" for n in result.notes]
     if result.returncode == 0:
         return "\n".join(lines)
     if result.hung:
+        if on_hang == "restart":
+            return "\n".join(lines + ["dtrun: the job made no progress and was stopped (--on-hang restart)"])
         return "\n".join(lines + [f"dtrun: the job made no progress and was stopped (--on-hang abort; exit code "
                                   f"{int(ExitCode.HANG)})"])
     if result.interrupted:
@@ -724,7 +824,7 @@ def failure_summary(result: JobResult, log_dir: Optional[str] = None) -> str:
         return "\n".join(lines + ["dtrun: stdout was closed (the program reading dtrun's output exited, "
                                   "as with `| head`); the job was stopped"])
     if cause is None:
-        why = f"mpirun exited with code {result.mpirun_returncode}"
+        why = result.launcher_ended
         if result.lost_daemon_host:
             why = (f"the MPI daemon on {result.lost_daemon_host} died or lost its connection (killed, out of "
                    f"memory, or the host or its network went down), so the job was ended; {why}")

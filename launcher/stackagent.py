@@ -13,9 +13,21 @@ Python. Every step has a timeout; the ranks are asked in parallel.
 ``python -S stackagent.py watch JOB_DIR INTERVAL`` prints one JSON line per interval with
 each local rank's progress (recorder sequence, log size), until its output is closed.
 
+``python -S stackagent.py sample JOB_DIR WINDOW [RATE [VIA]]`` prints one JSON line per window
+with how each local rank spends its time (launcher/waitsampler.py): the straggler finding
+and `dtrun top` read it.
+
 ``python -S stackagent.py kill JOB_DIR`` sends SIGKILL to every rank of the job on this host, and
 to the MPI daemons that started them if they are still alive (rankstate.record_daemon), then
-removes the session directories those daemons leave (launcher/sessiondirs.py).
+removes the session directories those daemons leave (launcher/sessiondirs.py), and what the
+ranks left in the job directory (``tidy``).
+
+``python -S stackagent.py tidy JOB_DIR`` removes what the job's ended ranks left in the job
+directory on this host (rankstate.tidy): after a failed job, on a host that does not share it.
+
+The job directory is written by the ranks' own programs too, so a pid found there is only
+examined or signalled once rankstate.job_process proved it is this job's process; and a
+dump request goes only to a rank that handles the signal at that moment (``signal_caught``).
 """
 import json
 import os
@@ -36,10 +48,22 @@ REC_OPS = ("", "allreduce", "reduce", "broadcast", "scatter", "gather", "allgath
 REC_DTYPES = ("", "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
               "float16", "float32", "float64", "bfloat16", "complex64", "complex128")
 REC_SHOWN = 8  # newest recorder entries put in a report
+# From format version 2, header word REC_INSIDE is 1 while the rank is inside a blocking
+# collective and 0 otherwise (launcher/waitsampler.py samples it for the waiting share).
+REC_TIMED_VERSION = 2
+REC_INSIDE = 5
 
 _FH_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
 _FH_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _GDB_FRAME = re.compile(r"^#\d+\s+(?:0x[0-9a-f]+ in )?(\S+) \(.*?\)(?: at (\S+):(\d+))?(?: from (\S+))?")
+
+
+def _rankstate():
+    try:
+        import rankstate  # run as a script: launcher/ is sys.path[0]
+    except ImportError:
+        from launcher import rankstate
+    return rankstate
 
 
 def local_ranks(job_dir):
@@ -52,14 +76,33 @@ def local_ranks(job_dir):
     for name in names:
         if not (name.startswith("rank.") and name.endswith(".json")):
             continue
-        try:
-            with open(os.path.join(job_dir, name)) as f:
-                st = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if st.get("host") == host:
-            out.append(st)
-    return sorted(out, key=lambda s: int(s["rank"]) if str(s.get("rank")).isdigit() else -1)
+        st = _rankstate().read_json(os.path.join(job_dir, name))
+        if st is not None and st.get("host") == host and type(st.get("rank")) is int and st["rank"] >= 0:
+            out.append(st)  # the rank names files (rank.N.rec): a number, nothing else
+    return sorted(out, key=lambda s: s["rank"])
+
+
+def signal_caught(pid, signum):
+    """Whether ``pid`` has a handler for ``signum`` now (SigCgt in /proc/PID/status, a hex
+    mask with bit signum-1), False when it has none, None when that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def signal_name(signum):
+    rt = int(signal.SIGRTMIN)
+    if rt <= signum <= int(signal.SIGRTMAX):
+        return f"SIGRTMIN+{signum - rt}" if signum > rt else "SIGRTMIN"
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def proc_info(pid):
@@ -157,7 +200,10 @@ def pyspy_stacks(pid, timeout):
     except OSError as exc:
         return None, f"py-spy: {exc.strerror}"
     if p.returncode != 0:
-        return None, "py-spy: " + (p.stderr.strip().splitlines() or ["failed"])[-1][:200]
+        lines = [line.strip() for line in p.stderr.splitlines() if line.strip()]
+        # py-spy prints "Error: ..." and then, in some builds, a backtrace of its own.
+        why = next((line for line in lines if line.startswith("Error:")), lines[-1] if lines else "failed")
+        return None, "py-spy: " + why[:200]
     try:
         data = json.loads(p.stdout)
     except ValueError:
@@ -202,22 +248,38 @@ def faulthandler_stacks(job_dir, rank, pid, timeout):
         return None, "faulthandler armed by another process"
     try:
         start = os.path.getsize(stack)
+    except OSError as exc:
+        return None, f"no faulthandler file ({exc.strerror}): the rank is ending"
+    # The .armed file outlives the handler: Python removes it while shutting down (a rank
+    # waiting in MPI_Finalize) and a program may unregister it, and then the signal's default
+    # action would kill the rank. So the handler is looked up right before the signal is sent.
+    # It can still be removed in between: the rank wrapper's boot code makes "ignore" what
+    # faulthandler leaves behind (rankstate.BOOT), so such a late request is dropped, not fatal.
+    caught = signal_caught(pid, signum)
+    if not caught:
+        why = ("Python is shutting down, or the program closed faulthandler" if caught is False
+               else "its signal handlers cannot be read")
+        return None, f"the rank is not handling {signal_name(signum)} now ({why})"
+    try:
         os.kill(pid, signum)
     except OSError as exc:
         return None, f"cannot signal pid {pid}: {exc.strerror}"
     deadline, size, stable = time.monotonic() + timeout, start, 0
-    while time.monotonic() < deadline:
-        time.sleep(0.02)
-        now = os.path.getsize(stack)
-        stable = stable + 1 if (now == size and now > start) else 0
-        size = now
-        if stable >= 3:
-            break
-    if size <= start:
-        return None, f"faulthandler wrote nothing within {timeout:g} s"
-    with open(stack, errors="replace") as f:
-        f.seek(start)
-        return parse_faulthandler(f.read()), None
+    try:
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            now = os.path.getsize(stack)
+            stable = stable + 1 if (now == size and now > start) else 0
+            size = now
+            if stable >= 3:
+                break
+        if size <= start:
+            return None, f"faulthandler wrote nothing within {timeout:g} s"
+        with open(stack, errors="replace") as f:
+            f.seek(start)
+            return parse_faulthandler(f.read()), None
+    except OSError as exc:
+        return None, f"its faulthandler file went away ({exc.strerror}): the rank ended"
 
 
 def gdb_stacks(pid, timeout):
@@ -247,8 +309,14 @@ def gdb_stacks(pid, timeout):
 
 
 def describe_rank(job_dir, st, timeout, via="auto"):
-    pid = st["pid"]
+    pid = st.get("pid")
     out = {"rank": st["rank"], "host": st["host"], "pid": pid, "argv": st.get("argv", [])}
+    refusal = _rankstate().job_process(job_dir, pid, st.get("start"))
+    if refusal is not None:
+        # Not this job's process (or no longer): not read, not attached to, not signalled.
+        out["alive"] = False
+        out["error"] = "process has exited" if refusal.exited else f"not examined: {refusal.why}"
+        return out
     out.update(proc_info(pid))
     if not out["alive"]:
         out["error"] = "process has exited"
@@ -272,7 +340,8 @@ def describe_rank(job_dir, st, timeout, via="auto"):
             errors.append(err)
     if threads is None:
         out["source"] = None
-        out["error"] = "; ".join(e for e in errors if e)
+        # The last answer is the one that decided (py-spy's failure led to faulthandler).
+        out["error"] = "; ".join(e for e in reversed(errors) if e)
     else:
         try:
             cwd = os.readlink(f"/proc/{pid}/cwd")
@@ -330,46 +399,67 @@ def watch(job_dir, interval):
         time.sleep(interval)
 
 
-def kill(job_dir):
+def kill(job_dir, nspace=""):
     """SIGKILL this host's ranks of the job, then the MPI daemons that started them and are
-    still the same processes (an MPI daemon can outlive an mpirun that was killed)."""
-    try:
-        from rankstate import proc_start  # run as a script: launcher/ is sys.path[0]
-    except ImportError:
-        from launcher.rankstate import proc_start
+    still the same processes (an MPI daemon can outlive an mpirun that was killed).
 
+    Only proven processes (rankstate.job_process): a rank's program can write any pid into
+    its state file (-1 would be every process, another's pid an innocent process). A daemon
+    has no job variable in its environment: it is proven as the parent of a proven rank
+    wrapper (looked at before any rank is killed), by the job's variable where it has it, or
+    (Open MPI 5) by ``nspace``, the job's PMIx namespace that dtrun passes on the command line:
+    a daemon whose ranks have already ended has no rank left to prove it.
+    Everything is proven first, then killed; pids are not re-read in between.
+    """
+    rs = _rankstate()
     host = socket.gethostname()
-    killed, daemons = [], []
+    ranks, refused = [], []
     for st in local_ranks(job_dir):
-        for pid in (st.get("pid"), st.get("wrapper_pid")):
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-                killed.append(pid)
-            except (OSError, TypeError, ValueError):
-                pass
+        for pid_key, start_key in (("pid", "start"), ("wrapper_pid", "wrapper_start")):
+            if st.get(pid_key) is None:
+                continue
+            refusal = rs.job_process(job_dir, st.get(pid_key), st.get(start_key))
+            if refusal is None:
+                ranks.append(st[pid_key])
+            elif not refusal.exited:
+                refused.append(f"rank {st['rank']}: {refusal.why}")
+    parents = {rs.proc_parent(p) for p in ranks}
+    found = []
     try:
         names = [n for n in os.listdir(job_dir) if n.startswith("daemon.") and n.endswith(".json")]
     except OSError:
         names = []
     for name in names:
         path = os.path.join(job_dir, name)
-        try:
-            with open(path) as f:
-                d = json.load(f)
-            if d.get("host") != host:
-                continue  # another host's daemon (a job directory on a shared file system)
-            pid = int(d["pid"])
-            if proc_start(pid) == (d.get("name"), d.get("start")):
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-                daemons.append(pid)
-        except (OSError, ValueError, TypeError, KeyError):
-            pass
+        d = rs.read_json(path)
+        if d is not None and d.get("host") != host:
+            continue  # another host's daemon (a job directory on a shared file system)
+        pid = rs.valid_pid((d or {}).get("pid"))
+        if pid is not None and (rs.proc_start(pid) == (d.get("name"), d.get("start"))
+                                and (pid in parents or rs.in_job(job_dir, pid, depth=1)
+                                     or rs.started_by(pid, nspace))):
+            found.append(pid)
+        elif pid is not None and rs.proc_start(pid) is not None:
+            refused.append(f"daemon {pid}: not proven to be this job's")
         try:
             os.unlink(path)
         except OSError:
             pass
-    return {"host": host, "killed": killed, "swept": _sweep_after(daemons)}
+    killed, daemons = [], []
+    for pid in dict.fromkeys(ranks + found):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            if pid in found:
+                daemons.append(pid)
+        except OSError:
+            pass
+    swept = _sweep_after(daemons)
+    deadline = time.monotonic() + 0.5  # a SIGKILLed rank is a zombie at once, or soon
+    starts = {p: (rs.proc_start(p) or (None, None))[1] for p in killed}
+    while time.monotonic() < deadline and not all(rs.gone(p, s) for p, s in starts.items()):
+        time.sleep(0.02)
+    return {"host": host, "killed": killed, "refused": refused, "swept": swept, "tidied": rs.tidy(job_dir)}
 
 
 def _sweep_after(daemons, wait_s=0.5):
@@ -386,16 +476,27 @@ def _sweep_after(daemons, wait_s=0.5):
 
 
 def main(argv):
-    if len(argv) < 2 or argv[0] not in ("dump", "watch", "kill"):
-        sys.stderr.write("usage: stackagent.py dump|watch|kill JOB_DIR [SECONDS]\n")
+    if len(argv) < 2 or argv[0] not in ("dump", "watch", "kill", "tidy", "sample"):
+        sys.stderr.write("usage: stackagent.py dump|watch|kill|tidy|sample JOB_DIR [SECONDS]\n")
         return 2
     mode, job_dir = argv[0], argv[1]
     seconds = float(argv[2]) if len(argv) > 2 else (2.0 if mode == "dump" else 1.0)
+    if mode == "sample":
+        try:
+            import waitsampler  # run as a script: launcher/ is sys.path[0]
+        except ImportError:
+            from launcher import waitsampler
+        rate = float(argv[3]) if len(argv) > 3 else 10.0
+        via = argv[4] if len(argv) > 4 else "auto"  # "faulthandler" (no py-spy), "proc" (no stacks)
+        return waitsampler.run(job_dir, seconds, rate, via, once="once" in argv[5:])
     if mode == "watch":
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         return watch(job_dir, seconds)
     via = argv[3] if len(argv) > 3 else "auto"  # "faulthandler": do not use py-spy
-    result = dump(job_dir, seconds, via) if mode == "dump" else kill(job_dir)
+    if mode == "tidy":
+        result = {"host": socket.gethostname(), "tidied": _rankstate().tidy(job_dir)}
+    else:
+        result = dump(job_dir, seconds, via) if mode == "dump" else kill(job_dir, argv[3] if len(argv) > 3 else "")
     sys.stdout.write(json.dumps(result) + "\n")
     return 0
 

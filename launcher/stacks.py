@@ -39,12 +39,15 @@ class HostAnswer:
     error: Optional[str] = None
 
 
-def agent_argv(job: JobInfo, host: str, mode: str, seconds: float, extra: Sequence[str] = ()) -> list[str]:
-    """The command that runs the agent on ``host``: directly when local, else through ssh."""
+def agent_argv(job: JobInfo, host: str, mode: str, seconds: float, extra: Sequence[str] = (),
+               connect_timeout: Optional[float] = None) -> list[str]:
+    """The command that runs the agent on ``host``: directly when local, else through ssh
+    (connecting within ``connect_timeout`` seconds, by default ``seconds``)."""
     remote = [job.python, "-S", AGENT, mode, job.dir, f"{seconds:g}", *extra]
     if is_local(host):
         return remote
-    ssh = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, int(seconds))}"]
+    connect = seconds if connect_timeout is None else connect_timeout
+    ssh = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, int(connect))}"]
     if job.ssh_config:
         ssh += ["-F", job.ssh_config]
     return ssh + [host, shlex.join(remote)]

@@ -40,6 +40,17 @@ def one_line_error(proc, *needles):
     return line
 
 
+def finish(proc, timeout):
+    """Wait for ``proc`` (a Popen with text pipes) to end, killing it when it outlives
+    ``timeout`` (then the TimeoutExpired goes on). Returns (exit code, stdout, stderr)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out, err
+
+
 def wait_for_lines(proc, n, match, timeout=60):
     """Read ``proc``'s stdout until ``n`` lines satisfy ``match``; fail with its stderr if they do not come."""
     import time

@@ -13,7 +13,7 @@ import pytest
 
 from tests import nscluster
 from tests.cluster_plugin import skip_if_unavailable
-from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, user_env, wait_until_empty, processes_with
+from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, finish, user_env, wait_until_empty, processes_with
 
 pytestmark = pytest.mark.mpi
 
@@ -50,15 +50,6 @@ def _wait_up(proc, n, timeout=60):
     return up
 
 
-def _finish(proc, timeout=30):
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return proc.returncode, out, err
-
-
 # ---- the rank wrapper ------------------------------------------------------------------------
 
 def test_rank_wrapper_keeps_every_descriptor_the_launcher_hands_the_rank():
@@ -86,7 +77,7 @@ def test_terminating_signal_stops_the_job_and_leaves_nothing(tmp_path, sig, code
     _wait_up(proc, 2)
     t0 = time.monotonic()
     proc.send_signal(sig)
-    rc, _, err = _finish(proc)
+    rc, _, err = finish(proc, 30)
     assert rc == code, err
     assert time.monotonic() - t0 < 10
     assert f"dtrun: stopped by {signal.Signals(sig).name}" in err
@@ -100,7 +91,7 @@ def test_nohup_keeps_the_job_running_through_sighup(tmp_path):
     proc = _start(["nohup", DTRUN, "-np", "2", "--no-tag-output", "python", script])
     assert proc.stdout.readline().strip() == "up"
     proc.send_signal(signal.SIGHUP)
-    rc, out, err = _finish(proc)
+    rc, out, err = finish(proc, 30)
     assert rc == 0, err
     assert "stopped by SIGHUP" not in err
 
@@ -128,7 +119,7 @@ def test_kill_9_of_one_rank_names_that_rank():
     proc = _start([DTRUN, "-np", "3", "--oversubscribe", "python", "-c", prog])
     pids = _wait_up(proc, 3)
     os.kill(pids[1], signal.SIGKILL)  # as the OOM killer would
-    rc, _, err = _finish(proc, 60)
+    rc, _, err = finish(proc, 60)
     assert rc == 137, err
     assert f"dtrun: job failed: rank 1 on {HOST} killed by SIGKILL" in err
 
@@ -206,7 +197,7 @@ def test_sighup_stops_the_job_on_every_host(cluster2, tmp_path):
     token, proc = _start_sleeper(cluster2, tmp_path, "mh-hup")
     assert all(_on_host(cluster2, h, token) for h in cluster2.hosts)
     proc.send_signal(signal.SIGHUP)
-    rc, _, err = _finish(proc)
+    rc, _, err = finish(proc, 30)
     assert rc == 129, err
     assert wait_until_empty(lambda: processes_with(token) + processes_with(str(cluster2.ssh_config))) == []
 
@@ -221,7 +212,7 @@ def test_sigterm_with_a_silent_host_exits_fast_and_leaves_no_local_process(clust
         _silence(silent)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        rc, _, err = _finish(proc)
+        rc, _, err = finish(proc, 30)
         took = time.monotonic() - t0
         assert rc == 143, err
         assert took < 8, f"dtrun took {took:.1f} s to exit after SIGTERM"  # target: about 5 s
@@ -238,7 +229,7 @@ def test_timeout_stops_a_job_whose_host_went_silent(cluster2, tmp_path):
     silent = cluster2.hosts[1]
     try:
         _silence(silent)
-        rc, _, err = _finish(proc, 60)
+        rc, _, err = finish(proc, 60)
         assert rc == 124, err
         assert "the job ran longer than --timeout 15 s" in err
     finally:
@@ -287,7 +278,7 @@ def test_killed_daemon_is_named_with_its_host(cluster2, tmp_path):
         assert daemons
         for d in daemons:
             d.kill()
-        rc, _, err = _finish(proc, 60)
+        rc, _, err = finish(proc, 60)
         assert rc != 0, err
         summary = err[err.index("dtrun: job failed"):]
         # Open MPI usually reports the lost daemon, and then dtrun names its host; otherwise the
