@@ -27,14 +27,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-OUT_DIR = REPO / "bench-results"
-BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import add_timing_args, run_bench_job, timed_rounds, timing_argv, write_table  # noqa: E402
+
 WIDTH, DEPTH = 1024, 4  # MLP 256 -> 4 x 1024 -> 10: about 3.4 M parameters
 BATCH = int(os.environ.get("BENCH_BATCH", "32"))  # per rank
 BUCKET_BYTES = int(float(os.environ.get("BENCH_BUCKET_MB", "4")) * 2**20)
@@ -51,10 +49,37 @@ def build_model():
     return torch.nn.Sequential(*layers)
 
 
+def batch(rank: int):
+    """This rank's inputs and labels (a generator seeded by the rank)."""
+    import torch
+
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(BATCH, 256, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+
+
+def fresh_model():
+    """The MLP, with the same initial weights on every rank, and SGD with momentum over it."""
+    import torch
+
+    torch.manual_seed(0)
+    model = build_model()
+    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def make_step(model, opt, x, y):
+    """One timed step: zero_grad, forward, backward, optimizer step."""
+    import torch.nn.functional as F
+
+    def step():
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return step
+
+
 # ----------------------------------------------------------------------------- in the job
 def worker(args) -> None:
     import torch
-    import torch.nn.functional as F
 
     import collectives.dp as dp
 
@@ -66,40 +91,17 @@ def worker(args) -> None:
         from datetime import timedelta
 
         dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
-    g = torch.Generator().manual_seed(ctx.rank)
-    x = torch.randn(BATCH, 256, generator=g)
-    y = torch.randint(0, 10, (BATCH,), generator=g)
+    x, y = batch(ctx.rank)
     runners = {}
     for mode in modes:
-        torch.manual_seed(0)
-        model = build_model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        model, opt = fresh_model()
         if mode == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(model)
         elif mode in ("dp", "dp-after"):
             opt = dp.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                           overlap=mode == "dp", bucket_bytes=BUCKET_BYTES)
-
-        def step(model=model, opt=opt):
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-        runners[mode] = step
-    rounds: dict[str, list[float]] = {m: [] for m in modes}
-    for m in modes:  # warm-up: allocations, plans, connections
-        for _ in range(args.warmup):
-            runners[m]()
-    for r in range(args.rounds):
-        order = modes[r % len(modes):] + modes[:r % len(modes)]
-        for m in order:
-            times = []
-            for _ in range(args.steps):
-                dp.allreduce_metric(0.0)  # start every step together
-                t0 = time.perf_counter()
-                runners[m]()
-                times.append(time.perf_counter() - t0)
-            # The slowest rank sets the pace: take the max over ranks of each median.
-            rounds[m].append(dp.allreduce_metric(statistics.median(times), op="max"))
+        runners[mode] = make_step(model, opt, x, y)
+    rounds = timed_rounds(runners, args, lambda v: dp.allreduce_metric(v, op="max"))
     if ctx.rank == 0:
         nparams = sum(p.numel() for p in build_model().parameters())
         print("BENCH " + json.dumps({"size": ctx.size, "params": nparams, "rounds": rounds}),
@@ -115,26 +117,16 @@ def worker(args) -> None:
 
 # ----------------------------------------------------------------------------- the driver
 def run_job(n: int, modes: str, args) -> dict:
-    cmd = [str(BIN / "dtrun"), "-np", str(n), "-H", f"localhost:{n}", sys.executable,
-           str(Path(__file__).resolve()), "--worker", "--modes", modes,
-           "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=env,
-                          stdin=subprocess.DEVNULL)
-    line = next((ln for ln in proc.stdout.splitlines() if "BENCH {" in ln), None)
-    if proc.returncode != 0 or line is None:
-        sys.exit(f"bench_ddp: {' '.join(cmd)} failed ({proc.returncode}):\n"
-                 f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(line[line.index("{"):])
+    return run_bench_job("bench_ddp", ["-np", str(n), "-H", f"localhost:{n}"],
+                         [str(Path(__file__).resolve()), "--worker", "--modes", modes,
+                          *timing_argv(args)], timeout=900)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description="DistributedOptimizer vs DDP/gloo, 2 ranks")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--modes", default="ddp,dp,dp-after", help=argparse.SUPPRESS)
-    ap.add_argument("--rounds", type=int, default=int(os.environ.get("BENCH_ROUNDS", "5")))
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
-    ap.add_argument("--warmup", type=int, default=5)
+    add_timing_args(ap, rounds=5)
     ap.add_argument("--jobs", type=int, default=2, help="pairs of (1-rank, 2-rank) jobs")
     args = ap.parse_args()
     if args.worker:
@@ -164,13 +156,7 @@ def main() -> int:
             f"{4 * params / 2**20:.0f} MiB of float32 gradients), batch {BATCH} per rank, SGD "
             f"with momentum, 1 compute thread per rank; median step time over "
             f"{len(per_mode['dp'])} rounds of {args.steps} steps")
-    table = ["| variant | step (ms) | |", "|---|---:|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    text = head + "\n\n" + "\n".join(table) + "\n"
-    print(text)
-    OUT_DIR.mkdir(exist_ok=True)
-    (OUT_DIR / "ddp.md").write_text(text)
-    (OUT_DIR / "ddp.json").write_text(json.dumps({"median_s": med, "rounds": per_mode,
-                                                   "params": params}, indent=1))
+    write_table("ddp", head, rows, {"median_s": med, "rounds": per_mode, "params": params})
     ratio = med["ddp"] / med["dp"]
     print(f"goal dp/DDP speed >= 1.0: {'met' if ratio >= 1.0 else 'MISSED'} ({ratio:.2f}x)")
     return 0

@@ -1,0 +1,22 @@
+"""Horovod's API on dtrun's collectives runtime.
+
+A Horovod script changes one import and nothing else::
+
+    import collectives.horovod.torch as hvd          # was: import horovod.torch as hvd
+    import collectives.horovod.tensorflow as hvd     # was: import horovod.tensorflow as hvd
+    import collectives.horovod.keras as hvd          # was: import horovod.tensorflow.keras as hvd
+
+Each of those modules imports only its own framework (TensorFlow users never import
+torch, and the reverse). Nothing is compiled against a framework: the collectives are
+``collectives.Comm``'s and PyTorch's ``DistributedOptimizer`` is ``collectives.dp``'s.
+What Horovod has and dtrun does not (Adasum, process sets, elastic) raises at once a
+one-line ``HorovodUnsupportedError`` naming it and the nearest supported alternative.
+
+Importing this package imports neither a framework nor MPI.
+"""
+
+from __future__ import annotations
+
+from ._core import HorovodInternalError, HorovodMismatchError, HorovodUnsupportedError
+
+__all__ = ["HorovodInternalError", "HorovodMismatchError", "HorovodUnsupportedError"]

@@ -1,0 +1,5 @@
+"""``horovod.torch.elastic`` is not provided: importing it says what to use instead."""
+
+from .._core import unsupported
+
+raise unsupported("elastic")

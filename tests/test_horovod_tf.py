@@ -1,0 +1,63 @@
+"""collectives.horovod.tensorflow and .keras: Horovod's TensorFlow 2 and Keras 3 API on real
+ranks under dtrun (1, 2, 3 ranks, and 2 namespace hosts x 2 ranks). tests/horovod_tf_cases.py
+is the rank program (one launch per size: TensorFlow starts slowly): the collectives on
+tensors and variables, eager and in tf.function, against NumPy; DistributedGradientTape with
+SyncBatchNormalization, and Keras fit with DistributedOptimizer and the callbacks, equal to
+one process on the whole batch; the warm-up's learning rates; the errors."""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+
+from tests.dtrun_helpers import REPO
+from tests.horovod_common import (ADASUM, assert_trained_alike, example_line, load_ranks, mismatch,
+                                   results, run_on_localhost, run_on_two_hosts)
+
+CASES = str(REPO / "tests" / "horovod_tf_cases.py")
+
+
+def _check(found: list[dict], out, n: int) -> None:
+    for res in found:
+        assert res["size"] == n
+        assert res["failures"] == [], res["failures"]
+        assert res["checked"] > 300
+        assert res["objects"] == [["root", n - 1], [10 * r for r in range(n)]]
+        un = res["unsupported"]
+        assert un["Adasum"] == ADASUM
+        assert un["keras Adasum"] == un["Adasum"]
+        assert "dtrun --max-restarts" in un["elastic"]
+        assert un["process_set"].startswith("add_process_set: not provided")
+        if n > 1:
+            assert res["mismatch"] == mismatch(res["rank"], n)
+        # MetricAverageCallback: the ranks' averaged epoch losses are the whole batch's
+        np.testing.assert_allclose(res["loss_dist"], res["loss_ref"], rtol=1e-5)
+        # LearningRateWarmupCallback: lr/N * ((epoch + 1) * (N - 1) / 2 + 1), then lr
+        np.testing.assert_allclose(res["lr"], [0.4 / n * ((n - 1) / 2 + 1), 0.4, 0.4], rtol=1e-6)
+    ranks = load_ranks(out, n)
+    for tag in ("tape", "fit"):
+        keys = [k[len("dist_"):] for k in ranks[0] if k.startswith(f"dist_{tag}.")]
+        assert len(keys) >= 4
+        assert_trained_alike(ranks, [(f"dist_{k}", f"ref_{k}") for k in keys])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_horovod_tensorflow_keras_ranks(n, tmp_path):
+    _check(results(run_on_localhost(CASES, n, tmp_path, timeout=420), n), tmp_path, n)
+
+
+@pytest.mark.cluster
+@pytest.mark.mpi
+def test_horovod_tensorflow_keras_two_hosts(cluster3, tmp_path):
+    proc = run_on_two_hosts(cluster3, CASES, tmp_path, timeout=420)
+    _check(results(proc, 4), tmp_path, 4)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("example", ["horovod_keras_mnist.py", "horovod_tensorflow2_mnist.py"])
+def test_horovod_tf_examples_learn(example):
+    # Horovod's Keras and TensorFlow 2 MNIST examples with only the import changed, 2 ranks.
+    last = example_line(example, "test accuracy ", timeout=420)
+    assert float(last.split()[-1].rstrip("%")) > 80

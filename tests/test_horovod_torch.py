@@ -1,0 +1,132 @@
+"""collectives.horovod.torch: Horovod's PyTorch API on real ranks under dtrun (1, 2, 3
+ranks, and 2 namespace hosts x 2 ranks). tests/horovod_torch_cases.py is the rank program:
+every collective and its _async form against NumPy for Horovod's dtypes, matching by name,
+the mismatched-shape error, join, objects, the unsupported API, SyncBatchNorm training
+equal to BatchNorm on the whole batch, and gradient_predivide_factor."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.dtrun_helpers import REPO, user_env
+from tests.horovod_common import (ADASUM, assert_trained_alike, example_line, load_ranks, mismatch,
+                                   results, run_on_localhost, run_on_two_hosts)
+
+PYTHON = sys.executable
+CASES = str(REPO / "tests" / "horovod_torch_cases.py")
+
+
+def _check(found: list[dict], out, n: int) -> None:
+    for res in found:
+        assert res["size"] == n
+        assert res["failures"] == [], res["failures"]
+        assert res["checked"] > 700  # every dtype x op x form ran
+        # every rank sees root's object and every rank's, in rank order
+        assert res["objects"] == [{"from": n - 1, "epoch": 3}, [[r, "x" * r] for r in range(n)]]
+        assert res["join_last"] == 0  # rank 0 joined after the others
+        assert res["hasattr_Adasum"] is False
+        un = res["unsupported"]
+        assert un["Adasum"] == ADASUM
+        assert un["optimizer Adasum"] == un["Adasum"]
+        assert un["add_process_set"].startswith("add_process_set: not provided")
+        assert un["process_set"].startswith("allreduce(process_set=...): not provided")
+        assert "dtrun --max-restarts" in un["elastic"] and "save_checkpoint" in un["elastic"]
+        for msg in un.values():
+            assert "\n" not in msg
+        assert res["queries"][:5] == [True, True, False, False, True]
+        if n > 1:
+            # the last rank passed shape (4,), the others (3,): the same line everywhere
+            assert res["mismatch"] == mismatch(res["rank"], n)
+            # float16 sum of 60000 x n overflows; predivided by n it does not
+            assert res["predivide"]["1.0"] == [float("inf")] * 4
+            assert res["predivide"][str(float(n))] == [60000.0] * 4
+        else:
+            assert res["mismatch"] is None
+    ranks = load_ranks(out, n)
+    keys = [k[5:] for k in ranks[0] if k.startswith("dist.")]
+    assert any("running_var" in k for k in keys)
+    # N ranks x B/N rows with SyncBatchNorm == 1 process x B rows with BatchNorm
+    assert_trained_alike(ranks, [(f"dist.{k}", f"ref.{k}") for k in keys])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_horovod_torch_ranks(n, tmp_path):
+    _check(results(run_on_localhost(CASES, n, tmp_path, timeout=300), n), tmp_path, n)
+
+
+@pytest.mark.cluster
+@pytest.mark.mpi
+def test_horovod_torch_two_hosts(cluster3, tmp_path):
+    proc = run_on_two_hosts(cluster3, CASES, tmp_path, timeout=300)
+    found = results(proc, 4)
+    _check(found, tmp_path, 4)
+    assert {tuple(r["queries"][5:]) for r in found} == {(2, 2)}  # local_size, cross_size
+
+
+# ----------------------------------------------------------------------------- pure parts
+def test_compare_names_the_rank_and_the_difference():
+    from collectives.horovod._core import compare
+
+    sig = lambda kind, *shapes, op="sum", root=-1, dt="float32": (  # noqa: E731
+        kind, shapes, (dt,) * len(shapes), op, root)
+    assert compare("w", [(0, sig("allreduce", (3,))), (1, sig("allreduce", (3,)))]) is None
+    assert compare("w", [(0, sig("allreduce", (3,))), (1, sig("allreduce", (3,))),
+                         (2, sig("allreduce", (4,)))]) == \
+        "allreduce 'w' has shape (4,) on rank 2 but (3,) on rank 0"
+    assert compare("w", [(0, sig("allreduce", (3,))), (1, sig("allreduce", (3,), dt="int32"))]) \
+        == "allreduce 'w' is int32 on rank 1 but float32 on rank 0"
+    assert compare("w", [(0, sig("allreduce", (3,))), (1, sig("allreduce", (3,), op="avg"))]) \
+        == "allreduce 'w' uses op Average on rank 1 but Sum on rank 0"
+    assert compare("g", [(0, sig("allgather", (2, 3))), (1, sig("allgather", (5, 3)))]) is None
+    assert "only the first dimension may differ" in compare(
+        "g", [(0, sig("allgather", (2, 3))), (1, sig("allgather", (2, 4)))])
+    assert compare("b", [(0, sig("broadcast", (1,), root=0)), (1, sig("broadcast", (1,), root=1))]) \
+        == "broadcast 'b' has root_rank 1 on rank 1 but 0 on rank 0"
+    assert compare("x", [(0, sig("allreduce", (1,))), (1, sig("broadcast", (1,)))]) == \
+        "'x' is broadcast on rank 1 but allreduce on rank 0"
+
+
+def test_split_rows_is_horovods():
+    from collectives.horovod._core import split_rows
+
+    assert split_rows(10, 4) == [3, 3, 2, 2]
+    assert split_rows(2, 3) == [1, 1, 0]
+    assert split_rows(6, 3) == [2, 2, 2]
+
+
+def test_each_module_imports_only_its_framework():
+    code = ("import sys, collectives.horovod.{mod}; "
+            "print(sorted(m for m in ('torch', 'tensorflow', 'keras') if m in sys.modules))")
+    got = {}
+    for mod in ("torch", "tensorflow", "keras"):
+        p = subprocess.run([PYTHON, "-c", code.format(mod=mod)], capture_output=True, text=True,
+                           timeout=120, cwd=REPO, env=user_env())
+        assert p.returncode == 0, p.stderr[-2000:]
+        got[mod] = p.stdout.split("\n")[-2]
+    assert got["torch"] == "['torch']"
+    # (importing TensorFlow 2.16+ imports Keras 3 itself)
+    assert got["tensorflow"] in ("['tensorflow']", "['keras', 'tensorflow']")
+    assert got["keras"] == "['keras', 'tensorflow']"
+
+
+def test_unsupported_api_names_itself_before_init():
+    import collectives.horovod.torch as hvd
+
+    with pytest.raises(hvd.HorovodUnsupportedError) as e:
+        hvd.ProcessSet  # noqa: B018
+    assert str(e.value).startswith("ProcessSet: not provided by collectives.horovod; ")
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
+        hvd.no_such_thing  # noqa: B018
+    with pytest.raises(ValueError, match="Horovod has not been initialized; use hvd.init"):
+        hvd.rank()
+
+
+@pytest.mark.mpi
+def test_horovod_pytorch_example_learns(tmp_path):
+    # Horovod's PyTorch MNIST example with only the import changed, 2 ranks.
+    last = example_line("horovod_pytorch_mnist.py", "epoch 3:", "--fp16-allreduce", timeout=300)
+    assert float(last.split("test accuracy ")[1].rstrip("%")) > 80
