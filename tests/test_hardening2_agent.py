@@ -20,60 +20,16 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from tests.dtrun_helpers import DTRUN, PYTHON, REPO, user_env
+from tests.test_hang import Job
 
 AGENT = str(REPO / "launcher" / "stackagent.py")
 HOST = socket.gethostname()
 DUMP_SIGNAL = int(signal.SIGRTMIN) + 6
-
-
-class Job:
-    """dtrun in a subprocess; its stdout and stderr lines kept as they arrive."""
-
-    def __init__(self, argv, env, cwd):
-        self.lines = []
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                     cwd=cwd, stdin=subprocess.DEVNULL)
-        self.readers = [threading.Thread(target=self._read, args=(s, n), daemon=True)
-                        for s, n in ((self.proc.stdout, "out"), (self.proc.stderr, "err"))]
-        for t in self.readers:
-            t.start()
-
-    def _read(self, stream, name):
-        for line in stream:
-            self.lines.append((name, line.rstrip("\n")))
-
-    def text(self, stream=None):
-        return "\n".join(line for s, line in list(self.lines) if stream in (None, s))
-
-    def wait_for(self, pattern, timeout=90):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if re.search(pattern, self.text(), re.M):
-                return
-            if self.proc.poll() is not None:
-                for t in self.readers:
-                    t.join(5)
-                if re.search(pattern, self.text(), re.M):
-                    return
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"no {pattern!r} in: {self.text()[-3000:]}")
-
-    def finish(self, timeout=120):
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            for t in self.readers:
-                t.join(5)
 
 
 # ------------------------------------------------------------------ 1: a diagnostic never kills a rank
