@@ -36,7 +36,9 @@ def timed_rounds(runners: dict[str, Callable[[], None]], args,
     """Each runner's median step time per round, the max over ranks (the slowest rank sets
     the pace). After ``args.warmup`` steps of each (allocations, plans, connections), the
     runners take turns for ``args.rounds`` rounds of ``args.steps`` steps, starting each
-    round with the next one (a noisy neighbour hurts all alike). ``max_over_ranks(v)``: a
+    round with the next one (a noisy neighbour hurts all alike), in reverse order every
+    other round: rotation alone keeps the cyclic order, so one runner would always follow
+    the same other one (and pay for what it leaves behind: gloo's threads, a cold cache). ``max_over_ranks(v)``: a
     collective max of v, also called before every step so that the ranks start it together."""
     modes = list(runners)
     rounds: dict[str, list[float]] = {m: [] for m in modes}
@@ -44,7 +46,9 @@ def timed_rounds(runners: dict[str, Callable[[], None]], args,
         for _ in range(args.warmup):
             runners[m]()
     for r in range(args.rounds):
-        for m in modes[r % len(modes):] + modes[:r % len(modes)]:
+        k = (r // 2) % len(modes)
+        order = modes[k:] + modes[:k]
+        for m in (order[::-1] if r % 2 else order):
             times = []
             for _ in range(args.steps):
                 max_over_ranks(0.0)  # start every step together
