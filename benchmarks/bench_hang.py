@@ -88,10 +88,17 @@ def report_time(cluster, slots, via: str) -> float:
 
 
 def recorder_overhead(iters=20000, rounds=20) -> dict:
+    return on_off_rounds(OVERHEAD, iters, rounds)
+
+
+def on_off_rounds(program: str, iters: int, rounds: int) -> dict:
+    """Run ``program`` (it prints {"on": [...], "off": [...], "path"} seconds per call) on 2
+    ranks under bare mpirun with a job directory, so the recorder is live; the fastest and the
+    paired-median on/off ratio (bench_straggler times its wait flag the same way)."""
     mpirun = str(BIN / "mpirun")
     with tempfile.TemporaryDirectory() as d:
         script = Path(d) / "overhead.py"
-        script.write_text(OVERHEAD)
+        script.write_text(program)
         e = env(DTRUN_JOB_DIR=d, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         p = subprocess.run([mpirun, "-np", "2", "--bind-to", "none", "-x", "DTRUN_JOB_DIR", str(BIN / "python"),
                             str(script), str(iters), str(rounds)], capture_output=True, text=True, env=e,

@@ -32,6 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from tests.dtrun_helpers import BIN, DTRUN, user_env as env  # noqa: E402
 
+from bench_hang import on_off_rounds  # noqa: E402  (benchmarks/ is sys.path[0])
+
 REPS = int(os.environ.get("BENCH_REPS", "3"))
 TARGET_OVERHEAD = 0.01
 
@@ -103,22 +105,7 @@ if c.rank == 0:
 
 
 def recorder_overhead(iters=5000, rounds=60) -> dict:
-    mpirun = str(BIN / "mpirun")
-    with tempfile.TemporaryDirectory() as d:
-        script = Path(d) / "overhead.py"
-        script.write_text(OVERHEAD)
-        e = env(DTRUN_JOB_DIR=d, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        p = subprocess.run([mpirun, "-np", "2", "--bind-to", "none", "-x", "DTRUN_JOB_DIR", str(BIN / "python"),
-                            str(script), str(iters), str(rounds)], capture_output=True, text=True, env=e,
-                           cwd=REPO, timeout=600)
-    if p.returncode != 0:
-        raise SystemExit(f"recorder bench failed: {p.stderr[-2000:]}")
-    data = json.loads(p.stdout.strip().splitlines()[-1])
-    ratios = [a / b for a, b in zip(data["on"], data["off"])]
-    return {"on_us": min(data["on"]) * 1e6, "off_us": min(data["off"]) * 1e6,
-            "overhead": min(data["on"]) / min(data["off"]) - 1,
-            "overhead_median_paired": statistics.median(ratios) - 1, "rounds": rounds, "iters": iters,
-            "path": data.get("path", "?")}
+    return on_off_rounds(OVERHEAD, iters, rounds)
 
 
 class Proc:
