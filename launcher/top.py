@@ -13,12 +13,12 @@ import sys
 import time
 from dataclasses import dataclass
 from statistics import median
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from launcher.errors import ExitCode, UsageError
 from launcher.jobstate import JobInfo
-from launcher.straggler import (HostSample, RankTotals, Recent, SampleStream, find_straggler, frame_text,
-                                render_finding)
+from launcher.straggler import (Confirmed, HostSample, RankTotals, Recent, SampleStream, find_straggler,
+                                frame_text, render_finding)
 
 GROUP_ABOVE = 16  # more ranks than this: one row per host
 SLOWEST_SHOWN = 3  # ranks whose current frame is printed under the table
@@ -48,9 +48,11 @@ def _row(v) -> dict:
             "error": v.error or v.stack_error}
 
 
-def view(job: JobInfo, latest: dict, totals: Sequence[RankTotals], waited: Optional[float] = None) -> dict:
-    """The job as top shows it: hosts (with errors), ranks, the straggler (over all windows
-    seen); ``waited``: seconds the hosts that have not answered were given."""
+def view(job: JobInfo, latest: dict, totals: Sequence[RankTotals], waited: Optional[float] = None,
+         confirm: Optional[Callable] = None) -> dict:
+    """The job as top shows it: hosts (with errors), ranks, the straggler (over the windows
+    in ``totals``); ``waited``: seconds the hosts that have not answered were given;
+    ``confirm``: the live table's ``Confirmed``, which holds a finding back until it lasts."""
     hosts, rows = [], []
     for host in dict.fromkeys(job.hosts):
         s: Optional[HostSample] = latest.get(host)
@@ -66,6 +68,8 @@ def view(job: JobInfo, latest: dict, totals: Sequence[RankTotals], waited: Optio
     # At least 2.5 s of samples (or flag reads) per rank: a rank that started late, or was
     # descheduled once on a busy host, is not flagged for one second of it.
     finding = find_straggler(totals, min_samples=LIVE_MIN_SAMPLES, min_polls=LIVE_MIN_POLLS)
+    if confirm is not None:
+        finding = confirm(finding)
     flagged = set(finding.ranks) if finding else set()
     for r in rows:
         r["straggler"] = r["rank"] in flagged
@@ -175,13 +179,13 @@ def show_top(spec: TopSpec) -> int:
             v = view(job, stream.latest(), recent.totals(), time.monotonic() - t0)
             print(json.dumps(v, indent=1) if spec.json_out else render(v), flush=True)
             return ExitCode.FAILED if any(h.get("error") for h in v["hosts"]) else ExitCode.OK
-        started = time.monotonic()
+        started, confirmed = time.monotonic(), Confirmed()
         while True:
             time.sleep(window)
             latest = stream.latest()
             if not latest and time.monotonic() - started < spec.timeout + window:
                 continue
-            v = view(job, latest, recent.totals(), time.monotonic() - started)
+            v = view(job, latest, recent.totals(), time.monotonic() - started, confirmed)
             if spec.json_out:
                 print(json.dumps(v), flush=True)
             else:

@@ -79,6 +79,10 @@ def test_finding_names_a_whole_host():
     [0.05, 0.12, 0.02, 0.20, 0.08, 0.15],  # a loaded machine: everyone waits a little, in turns
     [0.30, 0.45, 0.38, 0.25, 0.41, 0.33],  # everyone waits a lot: the collectives are slow, not one rank
     [0.50, 0.35, 0.60, 0.55, 0.45, 0.40],
+    # balanced jobs of 6 ranks on 2 cores, each sampled by two agents at once (top's view
+    # over 3 s; the live table's over 5): two ranks waited less for a while, by chance
+    [0.26, 0.27, 0.15, 0.26, 0.14, 0.25],
+    [0.31, 0.30, 0.32, 0.31, 0.15, 0.16],
     [0.0, 0.0],
 ])
 def test_no_finding_when_no_rank_stands_out(shares):
@@ -240,10 +244,10 @@ JOBS = {"runtime": RUNTIME_JOB, "mpi4py": MPI4PY_JOB, "torch": TORCH_JOB}
 SLOW_RANK = 3
 
 
-def _script(tmp_path, kind, slow):
+def _script(tmp_path, kind, slow, steps=STEPS):
     text = JOBS[kind]
     # Balanced: every rank takes the slow rank's time per step (the job runs as long).
-    head = f"SLOW, FAST, WHO, STEPS = {SLOW_S}, {SLOW_S if not slow else FAST_S}, {SLOW_RANK}, {STEPS}\n"
+    head = f"SLOW, FAST, WHO, STEPS = {SLOW_S}, {SLOW_S if not slow else FAST_S}, {SLOW_RANK}, {steps}\n"
     lines = text.splitlines(keepends=True)
     at = next(i for i, ln in enumerate(lines) if ln.startswith("print(\"up\""))
     text = "".join(lines[:at] + [head] + lines[at:])
@@ -281,6 +285,37 @@ def test_slow_rank_is_named_with_host_and_function(cluster3, tmp_path, kind):
     assert body.startswith(m.group(0)) and f"{script}:{sleep_line} in decode_batch" in body
     rows = re.findall(r"^ +\d+ \S+ +\d+% (\S+) ", body, re.M)
     assert rows == ["recorder" if kind == "runtime" else "py-spy"] * 6, body  # every rank's figures, and how
+
+
+@pytest.mark.cluster
+@pytest.mark.mpi
+def test_live_table_flags_the_slow_rank_once_it_lasts(cluster3, tmp_path):
+    """`dtrun --top` on the job with one slow rank: the live table comes to flag that rank,
+    and only it, while the job runs (it holds a finding back until 4 refreshes in a row
+    name the same ranks, and the job runs long enough for that)."""
+    script, _ = _script(tmp_path, "mpi4py", slow=True, steps=50)
+    job = _launch(cluster3, script, user_env(XDG_CACHE_HOME=str(tmp_path / "cache")), "--top")
+    rc = job.finish(timeout=240)
+    err = job.text("err")
+    print(err)
+    assert rc == 0, err
+    flags = re.findall(r"^\S+ +(\d) +[RSD] .*  py-spy  ← straggler$", err, re.M)
+    assert flags and set(flags) == {str(SLOW_RANK)}, err
+    assert re.search(rf"^straggler: rank {SLOW_RANK} on {cluster3.hosts[1].name} made the others wait", err, re.M)
+
+
+def test_live_finding_is_shown_once_the_same_ranks_are_named_four_refreshes_in_a_row():
+    from launcher.straggler import Confirmed, Finding
+
+    def f(*ranks):
+        return Finding(ranks, ("h",), False, 0.5, 0.0)
+
+    c = Confirmed()
+    assert [c(f(3)) for _ in range(3)] == [None] * 3
+    assert c(f(3)) == f(3) and c(f(3)) == f(3)
+    assert c(f(2, 3)) is None  # other ranks named: counted again from one
+    assert c(None) is None and [c(f(3)) for _ in range(3)] == [None] * 3
+    assert c(f(3)) == f(3)
 
 
 def _top_once(env):
