@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", action="store_true",
                    help="also time raw mpi4py on the same buffers; print the ratio")
     p.add_argument("--rounds", type=int, default=1,
-                   help="alternate ours/raw this many times, keep each one's best")
+                   help="alternate ours/raw this many times (each round in the reverse order of the one before)")
+    p.add_argument("--stat", default="best", choices=("best", "median"),
+                   help="which round counts: each one's best (default), or the median round, as a job sees it")
     p.add_argument("--tensors", type=int, default=256, help="arrays for -o grouped")
     p.add_argument("--path", default=None,
                    choices=("mpi", "shm", "shm+hierarchical", "shm+ring", "ring"),
@@ -285,18 +287,19 @@ def run_collective(comm, args, op: str, timer: Timer) -> list[dict]:
         row: dict[str, Any] = {
             "op": op, "size": b["nbytes"], "count": b["count"], "type": dname, "redop": redop,
             "root": args.root if op in ("broadcast", "reduce") else -1, "nranks": n}
-        best: dict[str, float] = {}
+        took: dict[str, list] = {}
         keys = ["ours_oop", "raw_oop", "ours_ip", "raw_ip"]
         if args.bound and op == "allreduce":
             src, dst = np.ones(b["nbytes"], np.uint8), np.zeros(b["nbytes"], np.uint8)
             b["memcpy"] = lambda: np.copyto(dst, src)
             keys.append("memcpy")
-        for _ in range(max(1, args.rounds)):
-            for key in keys:
+        for rnd in range(max(1, args.rounds)):
+            for key in (keys if rnd % 2 == 0 else keys[::-1]):
                 if key.startswith("raw") and not args.baseline:
                     continue
                 sec = timer(b[key], max(1, args.warmup_iters), args.iters, args.min_time)
-                best[key] = min(best.get(key, sec), sec)
+                took.setdefault(key, []).append(sec)
+        best = {k: (min(v) if args.stat == "best" else float(np.median(v))) for k, v in took.items()}
         if op == "allreduce":
             row["oop_path"] = comm.allreduce_path(b["nbytes"])
             row["ip_path"] = comm.allreduce_path(b["nbytes"], inplace=True)

@@ -13,10 +13,12 @@ with crossovers that move with the host (cache sizes, core count, the MPI build)
   takes the decision of the largest bucket not above it (below 256 B the 256 B one).
   Across hosts from 64 KiB only (smaller sizes are latency-bound: MPI), two timed
   rounds each. Larger sizes are skipped once their predicted cost (1.5x the previous
-  size's up to 256 KiB, 4x above) would overrun the time budget (0.6 s on one host,
-  4 s across hosts), and take the largest measured size's decision;
-* each candidate is timed in alternating rounds, each rank keeps its best round, the
-  slowest rank's time counts (an allreduce is as slow as its slowest rank);
+  size's timed rounds up to 256 KiB, 4x above) would overrun the time budget (1 s on
+  one host, 4 s across hosts), and take the largest measured size's decision;
+* each candidate is timed in alternating rounds (a round lasts 0.2 ms, 1 ms from
+  256 KiB), each rank keeps its median round, the slowest rank's time counts (an
+  allreduce is as slow as its slowest rank). Medians, not best rounds: a path whose
+  time varies a lot wins on its best round and loses in a job's loop;
 * rank 0 decides (fastest candidate; MPI on a tie: another path must take under 97 % of
   MPI's time, under 80 % across hosts, where calls over the network vary far more) and
   broadcasts the table, so every rank takes the same path for the same size, as it
@@ -26,7 +28,7 @@ The table is cached (``$XDG_CACHE_HOME/dtrun/collectives-tuning.json``) under a 
 the hosts, the MPI library, the layout (ranks per host, hosts) and this module's
 version; rank 0 reads it and broadcasts it, so a later job on the same hosts pays one
 file read. A cache entry that does not parse or does not fit is discarded and measured
-again. Calibration takes 0.1-0.5 s on an idle 2-core host (more when it is busy).
+again. Calibration takes 0.3-1 s on an idle 2-core host (more when it is busy).
 
 Overrides, strongest first (same on every rank, as dtrun forwards the environment):
 ``DTRUN_SHM=0`` (no shared-memory candidates), ``DTRUN_ALLREDUCE_PATH=<path>`` (that
@@ -50,18 +52,19 @@ import numpy as np
 from . import cache
 from ._mpi import MPI
 
-VERSION = 6
+VERSION = 7
 PATHS = ("mpi", "shm1", "shm2", "shm", "shm+hierarchical", "shm+ring", "ring")
 BUCKETS = tuple(256 * 4 ** i for i in range(9))  # 256 B .. 16 MiB
 CHUNKS = (128 << 10, 512 << 10, 2 << 20)
 ROUNDS = 5          # timed rounds per candidate (plus one untimed warm-up round) ...
 ROUNDS_SMALL = 5    # ... and up to 64 KiB, where rounds are cheap and noise is relatively large
-ROUND_MIN_S = 200e-6  # a timed round repeats the call until it lasts about this long
+ROUND_MIN_S = 200e-6  # a timed round repeats the call until it lasts about this long ...
+ROUND_MIN_S_LARGE = 1e-3  # ... and from 256 KiB, where one call takes 20-300 us
 MARGIN = 0.97       # another path must take under 97 % of MPI's time: on a tie, MPI
 HOSTS_MARGIN = 0.8  # across hosts, under 80 %: there a round is one call over a network
                     # whose timings vary by 2x between calls, so a 1.1x "win" is noise
 HOSTS_ROUNDS = 2    # timed rounds per candidate across hosts
-BUDGET_S = 0.6      # past this, larger sizes take the decision of the largest measured
+BUDGET_S = 1.0      # past this, larger sizes take the decision of the largest measured
 HOSTS_BUDGET_S = 4.0  # the same across hosts (slower networks, more candidates)
 HOSTS_FIRST = 4     # across hosts, sizes below BUCKETS[4] = 64 KiB are latency-bound: MPI
 NOT_MEASURED, EXTRAPOLATED = -2.0, -1.0  # markers in place of times
@@ -215,53 +218,74 @@ def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
             first: int = 0, rounds: tuple[int, int] = (ROUNDS_SMALL, ROUNDS),
             budget: float = BUDGET_S) -> np.ndarray:
     """Seconds per call, shape (len(BUCKETS), 2 [out of place, in place], len(cands)):
-    each rank's best round, then the maximum over ranks (inf: not applicable).
+    each rank's median round, then the maximum over ranks (inf: not applicable).
 
     Buckets below ``first`` are not measured (MPI's time is ``NOT_MEASURED``); buckets
-    whose predicted cost (from the previous bucket's) would overrun ``budget`` are not
-    either (``EXTRAPOLATED``: they take the decision of the largest measured size).
-    ``rounds``: timed rounds up to 64 KiB, and above.
+    whose predicted cost (from the previous bucket's timed rounds) would overrun
+    ``budget`` are not either (``EXTRAPOLATED``: they take the decision of the largest
+    measured size). ``rounds``: timed rounds up to 64 KiB, and above.
     """
-    best = np.full((len(BUCKETS), 2, len(cands)), np.inf)
-    best[:first, :, 0] = NOT_MEASURED
+    med = np.full((len(BUCKETS), 2, len(cands)), np.inf)
+    med[:first, :, 0] = NOT_MEASURED
     start = time.perf_counter()
-    spent = np.zeros(1)
-    before = 0.0
+    spent = np.zeros(2)  # wall time so far, and the last bucket's timed rounds
     for si in range(first, len(BUCKETS)):
         nbytes = BUCKETS[si]
         spent[0] = time.perf_counter() - start
         mpi.Allreduce(MPI.IN_PLACE, spent, op=MPI.MAX)  # every rank stops at the same size
-        # The next size's cost, from the last one's: 4x where bandwidth-bound, latency
-        # dominates below 256 KiB (where a busy host's stalls also make the last one noisy).
+        # The next size's cost, from the last one's timed rounds (warm-up rounds pay for
+        # set-up and first touches once): 4x where bandwidth-bound, 1.5x below 256 KiB.
         grow = 4 if nbytes > 256 << 10 else 1.5
-        if si > first and spent[0] + grow * (spent[0] - before) > budget:
-            best[si:, :, 0] = EXTRAPOLATED
+        if si > first and spent[0] + grow * spent[1] > budget:
+            med[si:, :, 0] = EXTRAPOLATED
             break
-        before = float(spent[0])
-        x = np.zeros(nbytes // 4, dtype=np.float32)  # zeros: sums stay finite however often
-        y = np.zeros_like(x)
-        iters = np.ones((2, len(cands)), dtype=np.int64)
-        for rnd in range((rounds[0] if nbytes <= 64 << 10 else rounds[1]) + 1):
-            for ci, cand in enumerate(cands):
-                if not applies(cand, nbytes):
-                    continue
-                for ip in (0, 1):
-                    src = y if ip else x
-                    n = int(iters[ip, ci])
-                    mpi.Barrier()
-                    t0 = time.perf_counter()
-                    for _ in range(n):
-                        run(cand, src, y, bool(ip))
-                    dt = (time.perf_counter() - t0) / n
-                    if rnd == 0:
-                        # Warm-up round: size the timed rounds (same count on all ranks).
-                        iters[ip, ci] = max(1, min(200, int(ROUND_MIN_S / max(dt, 1e-7))))
-                    else:
-                        best[si, ip, ci] = min(best[si, ip, ci], dt)
+        med[si], spent[1] = _measure_size(mpi, cands, run, nbytes,
+                                          rounds[0] if nbytes <= 64 << 10 else rounds[1])
+    mpi.Allreduce(MPI.IN_PLACE, med, op=MPI.MAX)
+    return med
+
+
+def _measure_size(mpi: MPI.Intracomm, cands: list[tuple[str, int]], run, nbytes: int,
+                  nrounds: int) -> tuple[np.ndarray, float]:
+    """This rank's median seconds per call at ``nbytes``, shape (2, len(cands)), and the
+    seconds its timed rounds took. Candidates alternate within each round, in the reverse
+    order every other round; a round repeats the call for ``round_s(nbytes)``: the median
+    of such rounds is what a job that calls it in a loop sees (best rounds favour the
+    paths whose time varies most)."""
+    x = np.empty(nbytes // 4, dtype=np.float32)
+    x.fill(0)  # written, so out of place reads real pages (zeros: sums stay finite)
+    y = np.zeros_like(x)
+    y.fill(0)
+    iters = np.ones((2, len(cands)), dtype=np.int64)
+    times: list[list[list[float]]] = [[[] for _ in cands] for _ in (0, 1)]
+    order = [(ci, ip) for ci, cand in enumerate(cands) if applies(cand, nbytes) for ip in (0, 1)]
+    timed = 0.0
+    for rnd in range(nrounds + 1):
+        for ci, ip in (order if rnd % 2 == 0 else order[::-1]):
+            n = int(iters[ip, ci])
+            mpi.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                run(cands[ci], y if ip else x, y, bool(ip))
+            took = time.perf_counter() - t0
             if rnd == 0:
-                mpi.Allreduce(MPI.IN_PLACE, iters, op=MPI.MAX)
-    mpi.Allreduce(MPI.IN_PLACE, best, op=MPI.MAX)
-    return best
+                # Warm-up round: size the timed rounds (same count on all ranks).
+                iters[ip, ci] = max(1, min(200, int(round_s(nbytes) / max(took / n, 1e-7))))
+            else:
+                times[ip][ci].append(took / n)
+                timed += took
+        if rnd == 0:
+            mpi.Allreduce(MPI.IN_PLACE, iters, op=MPI.MAX)
+    out = np.full((2, len(cands)), np.inf)
+    for ci, ip in order:
+        out[ip, ci] = float(np.median(times[ip][ci]))
+    return out, timed
+
+
+def round_s(nbytes: int) -> float:
+    """How long a timed round lasts: long enough to hold several calls from 256 KiB up
+    (one or two calls per round let a scheduler tick decide), short below."""
+    return ROUND_MIN_S if nbytes < 256 << 10 else ROUND_MIN_S_LARGE
 
 
 def decide(times: np.ndarray, cands: list[tuple[str, int]],
@@ -368,6 +392,15 @@ def calibrated(mpi: MPI.Intracomm, host: str, local_size: int, nnodes: int,
         limit = max_load()
         busy = load > limit * (os.cpu_count() or 1)
         entry["note"] = f"; not cached: load {load:.1f} on {os.cpu_count()} cores" if busy else ""
+        # With a core per rank on one host, a budget spent before 1 MiB means every call
+        # was slow (the ranks shared their cores with a burst of other work): the table's
+        # large sizes would all take a small size's decision. Used now, measured again
+        # next time. (More ranks than cores are always that slow: cached as measured.)
+        cut = next((BUCKETS[i] for i in range(len(BUCKETS)) if times[i, 0, 0] == EXTRAPOLATED), None)
+        if not busy and nnodes == 1 and local_size <= (os.cpu_count() or 1) \
+                and cut is not None and cut <= 1 << 20:
+            busy = True
+            entry["note"] = f"; not cached: the time budget ran out before {_mib(cut)}"
         if not busy:
             doc = cache.load(path)
             doc[key] = entry
