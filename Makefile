@@ -12,7 +12,7 @@ N ?= 3
 # wheel on disk (never a multi-GB CUDA build pulled from the registry).
 TORCH_WHEELS ?= /opt/wheels
 
-.PHONY: setup system-packages demo test test-unit test-scale bench bench-scale cluster-up cluster-down clean
+.PHONY: setup system-packages demo test test-unit test-scale bench bench-scale cluster-up cluster-down docs clean
 
 $(STAMP): pyproject.toml setup.py collectives/_fastshm.c
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,7 @@ bench: setup
 	@if $(BIN)/python -c 'import torch' 2>/dev/null; then $(BIN)/python benchmarks/bench_ddp.py; \
 	else echo "bench_ddp: PyTorch is not installed; skipped"; fi
 	@if $(BIN)/python -c 'import torch, tensorflow' 2>/dev/null; then $(BIN)/python benchmarks/bench_horovod.py; else echo "bench_horovod: PyTorch or TensorFlow is not installed; skipped"; fi
+	$(BIN)/python benchmarks/bench_dp_hosts.py
 
 # 65-host figures: cluster up/down, launch against bare mpirun (Open MPI 5 and 4.1), doctor and
 # the preflight at 1/4/16/64 hosts against parallel ssh, the links stage. Needs root.
@@ -63,6 +64,18 @@ bench-scale: setup
 	mkdir -p bench-results
 	$(BIN)/python benchmarks/bench_scale.py
 	@if [ "$$(id -u)" = 0 ]; then $(BIN)/python benchmarks/bench_restarts.py --hosts 16; else echo "bench_restarts: needs root (namespace hosts)"; fi
+
+# The documentation site (mkdocs.yml, docs/) into build/docs-site, with --strict: a broken link,
+# a page missing from nav or a failing CLI reference page fails the build. The docs extra of
+# pyproject.toml is installed into the venv the first time (without reinstalling dtrun).
+DOCS_STAMP := $(VENV)/.dtrun-docs-installed
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["docs"]))' > $(VENV)/docs-requirements.txt
+	$(BIN)/pip install -q -r $(VENV)/docs-requirements.txt
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 cluster-up: setup
 	$(BIN)/python -m tests.nscluster up $(N)

@@ -1,6 +1,6 @@
 """Allreduce across hosts: each path of our runtime against raw MPI, on a namespace cluster.
 
-Needs root (``tests/nscluster.py`` builds 3 hosts out of network namespaces on this
+Needs root (``tests/nscluster/`` builds 3 hosts out of network namespaces on this
 machine; they share its cores and talk over veth links, which are not a NIC, so only
 ratios mean something). For 1-64 MiB, ``python -m collectives.bench --baseline`` runs
 under dtrun across the hosts, once per path forced with ``--path``, and once with the

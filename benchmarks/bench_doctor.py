@@ -1,6 +1,6 @@
 """dtrun doctor's wall time against the number of hosts, next to plain parallel ssh.
 
-For 1, 4, 8 and 16 namespace hosts (tests/nscluster.py; needs root), in one run:
+For 1, 4, 8 and 16 namespace hosts (tests/nscluster/; needs root), in one run:
 ``dtrun doctor --no-e2e`` (every check but the end-to-end job) and ``ssh -F cfg HOST
 true`` to all hosts at once, alternating, BENCH_REPS times each; medians. Every
 simulated host shares this machine's cores, so the SSH handshakes themselves are

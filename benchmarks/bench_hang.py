@@ -1,6 +1,6 @@
 """Hang diagnosis: time from detection to the printed report, and the flight recorder's cost.
 
-1. Report time: on namespace hosts (tests/nscluster.py; needs root), a job of 6 ranks
+1. Report time: on namespace hosts (tests/nscluster/; needs root), a job of 6 ranks
    (3 hosts x 2) and of 16 ranks (4 hosts x 4) where one rank sleeps before an allreduce
    the others are in; ``dtrun --hang-timeout S --on-hang abort`` (S = 5 s per rank and host: starting 16 ranks
    on this 2-core machine can take longer than 5 s, which would rightly count as no progress). dtrun prints how long

@@ -40,7 +40,8 @@ def bare_mpirun_argv() -> list[str]:
     from launcher.launch import LaunchOptions, prepare
 
     opts = LaunchOptions(program=tuple(PROG), np=2, host_list="localhost:2", rank_wrapper=False)
-    _, flavor, spec, _ = prepare(opts, environ=env())  # resolve `python` as the dtrun runs do
+    prepared = prepare(opts, environ=env())  # resolve `python` as the dtrun runs do
+    flavor, spec = prepared.flavor, prepared.spec
     return build_command(spec, flavor)
 
 

@@ -1,6 +1,6 @@
 """How much of a remote rank's large output reaches the reader, with and without dtrun.
 
-One namespace host (tests/nscluster.py) runs one rank that writes LINES lines of 109
+One namespace host (tests/nscluster/) runs one rank that writes LINES lines of 109
 bytes (about 22 MB at the default) and exits. Its output is read by a fast reader
 (``wc -c``-like) and by a slow one (about 3 MB/s), through bare mpirun (Open MPI 5, the
 flags dtrun builds, no rank wrapper), through dtrun, and through ``dtrun --log-dir``
@@ -47,7 +47,8 @@ def bare_argv(cluster, host, writer: str = WRITER) -> list[str]:
 
     opts = LaunchOptions(program=(str(BIN / "python"), "-c", writer), host_list=f"{host}:1",
                          ssh_config=str(cluster.ssh_config), rank_wrapper=False, tag_output=False)
-    _, flavor, spec, _ = prepare(opts, environ=user_env())
+    prepared = prepare(opts, environ=user_env())
+    flavor, spec = prepared.flavor, prepared.spec
     return build_command(spec, flavor)
 
 

@@ -1,6 +1,6 @@
 """Restarts: time from a lost host to the first step of the next attempt, step by step.
 
-On namespace hosts (tests/nscluster.py; needs root): N hosts with one slot each, ``-np N-1``
+On namespace hosts (tests/nscluster/; needs root): N hosts with one slot each, ``-np N-1``
 (the last host is the spare), examples/train_resume.py with a checkpoint. When step 6 is
 printed, one host crashes (every process in its namespace killed, then all its traffic
 dropped). dtrun (``--max-restarts 1``) runs in a child process of this script, in-process

@@ -1,4 +1,4 @@
-"""dtrun at 65 hosts on one machine (tests/nscluster.py; needs root). ``make bench-scale``.
+"""dtrun at 65 hosts on one machine (tests/nscluster/; needs root). ``make bench-scale``.
 
 * the namespace cluster: ``up`` and ``down`` of 65 hosts (BENCH_REPS times, medians);
 * a 65-rank mpi4py allreduce, 1 rank per host, through dtrun and through bare mpirun

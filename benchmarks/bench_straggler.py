@@ -4,7 +4,7 @@
    the same Comm, its flight recorder with the per-collective timing on and off in
    alternating rounds of the same run (the fastest round of each, and the median of the
    paired per-round ratios). Target: at most 1 %.
-2. Time to the first finding: on namespace hosts (tests/nscluster.py; needs root), 3 hosts x
+2. Time to the first finding: on namespace hosts (tests/nscluster/; needs root), 3 hosts x
    2 ranks of the bundled runtime, balanced for a while, then rank 3 turns slow in a named
    function and prints when; `dtrun top --json` runs beside the job. Seconds from the turn
    to the first refresh of top that flags rank 3 (the simulated hosts share this machine's

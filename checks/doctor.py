@@ -1,7 +1,7 @@
 """``dtrun doctor``: the checklist users go through when mpirun hangs, on every host at once.
 
 Per host, in a bounded thread pool: one SSH connection (``checks/ssh.py``), one run
-of the probe over it (``checks/remote_probe.py``), which reports the environment
+of the probe over it (``launcher/remote/probe.py``), which reports the environment
 and interfaces and keeps a TCP listener open; then, once every probe has answered,
 each probe connects to every other host's listener (firewall) and, where Open
 MPI's tree spawn or ``--all-pairs`` needs it, ssh-es to other hosts. This host
@@ -22,13 +22,14 @@ from typing import Optional
 from checks import env, firewall, gpu, network
 from checks import e2e as e2e_check
 from checks.errors import CheckError
+from checks.probereport import ProbeReport, probe_report
 from checks.result import CHECKS, FAIL, NA, OK, SYMBOL, WARN, Finding, worst
 from launcher.errors import ExitCode, UsageError
 
 MAX_WORKERS = 32
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DoctorSpec:
     """What ``dtrun doctor`` was asked to do."""
 
@@ -58,7 +59,7 @@ class HostRun:
     target: object = None
     conn: object = None
     probe: object = None
-    report: Optional[dict] = None
+    report: Optional[ProbeReport] = None  # parsed as it arrives (checks/probereport.py)
     times: dict = field(default_factory=dict)
     step: str = "waiting"
 
@@ -222,15 +223,16 @@ def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport
         findings = [f for found in answers.ok.values() for f in found]
         by_name = {r.name: r for r in hosts.everyone}  # no connection yet: ssh failed; else the probe did
         findings += answers.findings(lambda name: "env" if by_name[name].conn or by_name[name].local else "ssh")
-        found, rec, ifaces, launcher_ifs, parsed = _analyse(spec, flavor, hosts)
-        findings += found
+        analysis = _analyse(spec, flavor, hosts)
+        findings += analysis.findings
+        rec, parsed = analysis.recommendation, analysis.interfaces
         fw_pairs, links_summary = {}, None
         if rec is not None:
-            found, fw_pairs = _pairs_phase(spec, hosts, rec, ifaces, launcher_ifs, job_cfg)
+            found, fw_pairs = _pairs_phase(spec, hosts, rec, analysis.placed, analysis.launcher_interfaces, job_cfg)
             findings += found
         t_links = time.monotonic()
         if spec.links and rec is not None:
-            found, links_summary = _links_phase(spec, hosts, rec, ifaces)
+            found, links_summary = _links_phase(spec, hosts, rec, analysis.placed)
             findings += found
     finally:
         for r in hosts.everyone:
@@ -314,7 +316,7 @@ def _connect_and_probe(spec: DoctorSpec, r: HostRun, request: dict) -> list[Find
             r.step = "probe: running"
             r.probe = start_probe(r.name, r.conn, request, spec.timeout)
         t1 = time.monotonic()
-        r.report = r.probe.read(max(3 * spec.timeout, 10.0), "probe")
+        r.report = probe_report(r.probe.read(max(3 * spec.timeout, 10.0), "probe"))
         r.times["probe"] = time.monotonic() - t1
         r.step = "probe: done"
         return found
@@ -325,19 +327,25 @@ def _connect_and_probe(spec: DoctorSpec, r: HostRun, request: dict) -> list[Find
         r.times["phase_a"] = time.monotonic() - t0
 
 
-def _analyse(spec: DoctorSpec, flavor, hosts: _Hosts):
-    """After every probe answered: env, network and GPU findings, and the subnet to use.
+@dataclass(frozen=True)
+class Analysis:
+    """What the probe reports say, read together: findings and the subnet to use."""
 
-    Returns:
-        (findings, recommendation or None, {host: interfaces} of the hosts to place on it,
-        this host's interfaces when it only helps, {host: interfaces} of every report).
-    """
+    findings: list
+    recommendation: Optional[network.Recommendation]
+    placed: dict  # {host: interfaces} of the hosts to place on the subnet
+    launcher_interfaces: Optional[list]  # this host's interfaces when it only helps (not in the list)
+    interfaces: dict  # {host: interfaces} of every report
+
+
+def _analyse(spec: DoctorSpec, flavor, hosts: _Hosts) -> Analysis:
+    """After every probe answered: env, network and GPU findings, and the subnet to use."""
     runs, helper = hosts.runs, hosts.helper
     findings: list[Finding] = []
     local_report = next((r.report for r in hosts.everyone if r.local and r.report), None)
     facts = env.local_facts(flavor, local_report, spec.program)
-    probed = [r for r in runs if r.report and not r.report.get("error")]
-    parsed = {r.name: network.interfaces_of(r.report) for r in hosts.everyone if r.report and not r.report.get("error")}
+    probed = [r for r in runs if r.report and r.report.ok]
+    parsed = {r.name: network.interfaces_of(r.report) for r in hosts.everyone if r.report and r.report.ok}
     for r in runs:
         if r.report:
             findings += env.env_findings(r.name, r.report, facts, is_this_host=r.local)
@@ -354,7 +362,7 @@ def _analyse(spec: DoctorSpec, flavor, hosts: _Hosts):
     if ifaces:
         findings += network.network_findings(ifaces, rec, launcher_ifs)
     findings += gpu.gpu_findings([gpu.host_gpus(r.name, r.slots, r.report) for r in probed])
-    return findings, rec, ifaces, launcher_ifs, parsed
+    return Analysis(findings, rec, ifaces, launcher_ifs, parsed)
 
 
 def _not_checked(runs, findings, rec) -> list[Finding]:
@@ -377,7 +385,7 @@ def _end_to_end(spec: DoctorSpec, runs, findings, flavor, rec, job_cfg):
         return [Finding(r.name, "e2e", NA, "skipped: fix the failures above first") for r in runs], None
     for r in runs:
         r.step = "end to end: running a job through dtrun"
-    names = {r.report.get("hostname"): r.name for r in runs if r.report and r.report.get("hostname")}
+    names = {r.report.hostname: r.name for r in runs if r.report and r.report.hostname}
     flags = rec.flags(flavor)["dtrun"] if rec else ""
     return e2e_check.end_to_end([r.name for r in runs], job_cfg(), rec.cidr if rec else None, names,
                                 spec.e2e_timeout or e2e_check.E2E_TIMEOUT_S, flags_text=flags)
@@ -421,12 +429,12 @@ def _pairs_phase(spec: DoctorSpec, hosts: _Hosts, rec, ifaces, launcher_ifs, job
     from checks import ssh
 
     net = ipaddress.ip_network(rec.cidr)
-    live = [r for r in hosts.everyone if r.report and r.report.get("port") and r.probe]
+    live = [r for r in hosts.everyone if r.report and r.report.port and r.probe]
     endpoints = {}
     for r in live:
         a = _address_on(net, launcher_ifs if r is hosts.helper else ifaces.get(r.name))
         if a:
-            endpoints[r.name] = (a, r.report["port"])
+            endpoints[r.name] = (a, r.report.port)
     plan = firewall.connect_plan(endpoints)
     ssh_pairs, why = _ssh_hops(spec, [r.name for r in hosts.runs], hosts.launcher_in_list)
     by_src = {}
@@ -456,12 +464,12 @@ def _links_phase(spec: DoctorSpec, hosts: _Hosts, rec, ifaces):
 
     t0 = time.monotonic()
     net = ipaddress.ip_network(rec.cidr)
-    live = {r.name: r for r in hosts.runs if r.report and r.report.get("links_port") and r.probe}
+    live = {r.name: r for r in hosts.runs if r.report and r.report.links_port and r.probe}
     endpoints = {}
     for name, r in live.items():
         a = _address_on(net, ifaces.get(name))
         if a:
-            endpoints[name] = (a, r.report["links_port"])
+            endpoints[name] = (a, r.report.links_port)
     names = [r.name for r in hosts.runs if r.name in endpoints]
     plan = links.plan(names, spec.links_sample)
     base = {"timeout": spec.timeout, "max_bytes": links.MAX_BYTES, "max_seconds": links.MAX_SECONDS,

@@ -10,8 +10,9 @@ import os
 import shlex
 import sys
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Union
 
+from checks.probereport import ProbeReport, probe_report
 from checks.result import FAIL, OK, WARN, Finding
 
 CHECK = "env"
@@ -47,7 +48,7 @@ class LocalFacts:
 
     def probe_request(self) -> dict:
         """What the probe needs to look at; data, sent as JSON."""
-        from checks.remote_probe import NAMES, signature
+        from launcher.remote.probe import NAMES, signature
 
         paths = {"python": self.python, "cwd": self.cwd, "mpirun": self.mpirun}
         if self.daemon_path:
@@ -58,18 +59,18 @@ class LocalFacts:
                 "names": list(NAMES)}
 
 
-def local_facts(flavor, local_report: Optional[Mapping], program: Optional[str],
+def local_facts(flavor, local_report: Union[ProbeReport, Mapping, None], program: Optional[str],
                 environ: Optional[Mapping[str, str]] = None) -> LocalFacts:
     """This host's facts: the flavor from launcher.flavors, Python and mpi4py from the local probe."""
     environ = os.environ if environ is None else environ
     daemon = daemon_name(flavor.kind, flavor.major)
     path = os.path.join(os.path.dirname(flavor.mpirun), daemon)
-    py = (local_report or {}).get("python") or {}
+    py = probe_report(local_report or {}).python
     return LocalFacts(
         mpi_kind=flavor.kind, mpi_version=tuple(flavor.version), mpi_label=flavor.label, mpirun=flavor.mpirun,
         daemon=daemon, daemon_path=path if os.path.exists(path) else None,
-        python=sys.executable, python_version=py.get("version") or "%d.%d.%d" % sys.version_info[:3],
-        mpi4py=py.get("mpi4py"), path=environ.get("PATH", ""), ld_library_path=environ.get("LD_LIBRARY_PATH") or None,
+        python=sys.executable, python_version=py.version or "%d.%d.%d" % sys.version_info[:3],
+        mpi4py=py.mpi4py, path=environ.get("PATH", ""), ld_library_path=environ.get("LD_LIBRARY_PATH") or None,
         cwd=os.getcwd(), program=os.path.abspath(program) if program else None,
     )
 
@@ -88,135 +89,162 @@ def _mpi_label(text: Optional[str]) -> Optional[str]:
     return Flavor(kind, version).label
 
 
-def env_findings(host: str, rep: Mapping, local: LocalFacts, is_this_host: bool = False) -> list[Finding]:
+def env_findings(host: str, rep: Union[ProbeReport, Mapping], local: LocalFacts,
+                 is_this_host: bool = False) -> list[Finding]:
     """Findings of the env check for one host from its probe report.
 
     This host (``localhost`` in the host list) is the reference the others are compared
     with; mpirun starts its ranks there without a remote shell, so PATH is not a concern.
     """
-    if rep.get("error"):
-        return [Finding(host, CHECK, FAIL, f"the probe failed on {host}: {rep['error']}",
+    rep = probe_report(rep)
+    if rep.error:
+        return [Finding(host, CHECK, FAIL, f"the probe failed on {host}: {rep.error}",
                         f"run `ssh {host} python3 -V` to see what a non-interactive shell there can run")]
     if is_this_host:
         return this_host_findings(host, rep, local)
-    out: list[Finding] = []
-    env = rep.get("env") or {}
-    rpath = env.get("PATH") or ""
-    which = rep.get("which") or {}
-    paths = rep.get("paths") or {}
-    versions = rep.get("versions") or {}
-
-    def add(status, detail, fix=""):
-        out.append(Finding(host, CHECK, status, detail, fix))
-
-    # --- the MPI install dtrun launches from (same absolute path as here) ---
-    mine = paths.get("mpirun") or {}
-    if not mine.get("exec"):
-        add(FAIL, f"{local.mpirun} does not exist on {host} ({local.mpi_label} is there on this host); mpirun "
-                  f"starts the remote daemons from the same installation path",
-            f"install {local.mpi_label} at the same path on {host} (a shared file system or the same virtual "
-            f"environment on every host)")
-    else:
-        label = _mpi_label(versions.get(local.mpirun))
-        if label and label != local.mpi_label:
-            add(FAIL, f"{local.mpirun} on {host} is {label}; on this host it is {local.mpi_label}: "
-                      f"daemons of different versions cannot talk",
-                f"install {local.mpi_label} on {host} at {os.path.dirname(local.mpirun)}")
-    # --- what the remote non-interactive PATH finds ---
-    daemon_on_path = which.get(local.daemon)
-    daemon_here = (paths.get("daemon") or {}).get("exec")
-    if not daemon_on_path:
-        if daemon_here:
-            add(WARN, f"{local.daemon} is not on {host}'s non-interactive PATH ({rpath or 'unset'}); dtrun starts "
-                      f"mpirun by its absolute path, so {local.mpi_label} finds {local.daemon} at {local.daemon_path}, "
-                      f"but a plain `mpirun` fails there with '{local.daemon}: command not found'",
-                f"put {os.path.dirname(local.mpirun)} on PATH for non-interactive shells on {host} "
-                f"(top of ~/.bashrc, before the interactive guard), or always launch with dtrun")
-        else:
-            add(FAIL, f"{local.daemon} (the daemon mpirun starts on every host) is neither on {host}'s "
-                      f"non-interactive PATH ({rpath or 'unset'}) nor at {local.daemon_path or 'the launch path'}",
-                f"install {local.mpi_label} on {host} at the same path as here")
-    for name in ("mpirun", "mpiexec"):
-        found = which.get(name)
-        if not found or found == local.mpirun:
-            continue
-        label = _mpi_label(versions.get(found))
-        if label and label != local.mpi_label:
-            add(WARN, f"`{name}` on {host}'s non-interactive PATH is {label} ({found}); this host launches "
-                      f"{local.mpi_label} ({local.mpirun})",
-                f"dtrun runs mpirun by absolute path and is not affected; put {os.path.dirname(local.mpirun)} "
-                f"before {os.path.dirname(found)} on {host}'s PATH so that a plain `{name}` and other tools agree")
-            break
-    # --- what killed Open MPI 5 jobs left (launcher/sessiondirs.py) ---
-    stale = rep.get("stale_sessions") or {}
-    if stale.get("count"):
-        n, dirs = stale["count"], stale.get("paths") or []
-        shown = ", ".join(dirs[:3]) + (", …" if n > 3 else "")
-        add(WARN, f"{n} session director{'y' if n == 1 else 'ies'} of killed Open MPI 5 jobs on {host} ({shown}): "
-                  f"a daemon that is given one of those pids stops at start-up and mpirun reports "
-                  f"'Daemon exit status: 213'",
-            f"dtrun's rank wrapper removes them during the next job on {host}; to remove them now: "
-            f"ssh {shlex.quote(host)} rm -rf {' '.join(shlex.quote(d) for d in dirs)}"
-            + (f" (the first {len(dirs)} of {n})" if n > len(dirs) else ""))
-    # --- Python, mpi4py and the libraries it loads ---
-    py = rep.get("python") or {}
-    ld = env.get("LD_LIBRARY_PATH")
-    if not (paths.get("python") or {}).get("exec"):
-        add(FAIL, f"{local.python} (Python {local.python_version}, the job's interpreter here) does not exist on "
-                  f"{host}; its non-interactive PATH finds python3 at {which.get('python3') or 'nowhere'}",
-            f"create the same virtual environment at the same path on {host}, or use a shared file system")
-    elif py.get("is_job_python"):
-        if py.get("version") != local.python_version:
-            add(FAIL, f"{local.python} on {host} is Python {py.get('version')}; here it is {local.python_version}",
-                "use the same Python version on every host (pickled objects and compiled extensions differ)")
-        if py.get("mpi4py_error"):
-            err = py["mpi4py_error"]
-            lib = "cannot open shared object" in err or "libmpi" in err or err.startswith("OSError")
-            add(FAIL, f"mpi4py does not load on {host}: {err}" +
-                (f" (LD_LIBRARY_PATH there: {ld or 'unset'}; here: {local.ld_library_path or 'unset'})" if lib else ""),
-                NON_INTERACTIVE_FIX.format(host=host).replace("set it", "set LD_LIBRARY_PATH") if lib
-                else f"pip install mpi4py in {os.path.dirname(os.path.dirname(local.python))} on {host}")
-        elif local.mpi4py and py.get("mpi4py") != local.mpi4py:
-            add(WARN, f"mpi4py {py.get('mpi4py')} on {host}, {local.mpi4py} here",
-                f"install mpi4py=={local.mpi4py} on {host}")
-    if local.ld_library_path and ld != local.ld_library_path:
-        missing = [d for d in local.ld_library_path.split(":") if d and d not in (ld or "").split(":")]
-        if missing:
-            add(WARN, f"LD_LIBRARY_PATH in a non-interactive shell on {host} is {ld or 'unset'}; here it is "
-                      f"{local.ld_library_path} (missing there: {':'.join(missing)}); dtrun forwards it to the ranks "
-                      f"(-x LD_LIBRARY_PATH), but mpirun's daemons and plain `ssh {host} cmd` start without it",
-                NON_INTERACTIVE_FIX.format(host=host).replace("set it", f"set LD_LIBRARY_PATH={local.ld_library_path}"))
-    # --- the working directory and the program ---
-    if not (paths.get("cwd") or {}).get("isdir"):
-        add(FAIL, f"the working directory {local.cwd} does not exist on {host}; mpirun starts every rank there",
-            f"create it on {host}, or launch from a directory on the shared file system")
-    if local.program and not (paths.get("program") or {}).get("exists"):
-        add(FAIL, f"the program {local.program} does not exist on {host}",
-            f"copy it to {host} at the same path (rsync -a {shlex.quote(local.program)} "
-            f"{shlex.quote(host + ':' + local.program)}), or keep code on a shared file system")
+    out = [Finding(host, CHECK, status, detail, fix)
+           for part in (_mpi_install, _daemon_on_path, _other_mpi_on_path, _stale_sessions, _job_python,
+                        _library_path, _workdir_and_program)
+           for status, detail, fix in part(host, rep, local)]
     if not any(f.status != OK for f in out):
         extra = f", {local.program} present" if local.program else ""
-        mpi4py = f" with mpi4py {py.get('mpi4py')}" if py.get("mpi4py") else ""
-        add(OK, f"{local.mpi_label}, {local.daemon} on PATH; Python {py.get('version')}{mpi4py}; "
-                f"{local.cwd} present{extra}")
+        mpi4py = f" with mpi4py {rep.python.mpi4py}" if rep.python.mpi4py else ""
+        out.append(Finding(host, CHECK, OK, f"{local.mpi_label}, {local.daemon} on PATH; Python "
+                                            f"{rep.python.version}{mpi4py}; {local.cwd} present{extra}"))
     return out
 
 
-def this_host_findings(host: str, rep: Mapping, local: LocalFacts) -> list[Finding]:
-    py = rep.get("python") or {}
-    if py.get("mpi4py_error"):
-        return [Finding(host, CHECK, FAIL, f"mpi4py does not load on this host: {py['mpi4py_error']}",
+# Each part of the env check: (status, detail, fix) for what it found wrong on one host.
+_Problems = list[tuple[str, str, str]]
+
+
+def _mpi_install(host: str, rep: ProbeReport, local: LocalFacts) -> _Problems:
+    """The MPI install dtrun launches from, at the same absolute path as here."""
+    if not rep.at("mpirun").executable:
+        return [(FAIL, f"{local.mpirun} does not exist on {host} ({local.mpi_label} is there on this host); mpirun "
+                       f"starts the remote daemons from the same installation path",
+                 f"install {local.mpi_label} at the same path on {host} (a shared file system or the same virtual "
+                 f"environment on every host)")]
+    label = _mpi_label(rep.versions.get(local.mpirun))
+    if label and label != local.mpi_label:
+        return [(FAIL, f"{local.mpirun} on {host} is {label}; on this host it is {local.mpi_label}: "
+                       f"daemons of different versions cannot talk",
+                 f"install {local.mpi_label} on {host} at {os.path.dirname(local.mpirun)}")]
+    return []
+
+
+def _daemon_on_path(host: str, rep: ProbeReport, local: LocalFacts) -> _Problems:
+    """The daemon mpirun starts, on the remote non-interactive PATH."""
+    if rep.which.get(local.daemon):
+        return []
+    if rep.at("daemon").executable:
+        return [(WARN, f"{local.daemon} is not on {host}'s non-interactive PATH ({rep.path or 'unset'}); dtrun starts "
+                       f"mpirun by its absolute path, so {local.mpi_label} finds {local.daemon} at {local.daemon_path}, "
+                       f"but a plain `mpirun` fails there with '{local.daemon}: command not found'",
+                 f"put {os.path.dirname(local.mpirun)} on PATH for non-interactive shells on {host} "
+                 f"(top of ~/.bashrc, before the interactive guard), or always launch with dtrun")]
+    return [(FAIL, f"{local.daemon} (the daemon mpirun starts on every host) is neither on {host}'s "
+                   f"non-interactive PATH ({rep.path or 'unset'}) nor at {local.daemon_path or 'the launch path'}",
+             f"install {local.mpi_label} on {host} at the same path as here")]
+
+
+def _other_mpi_on_path(host: str, rep: ProbeReport, local: LocalFacts) -> _Problems:
+    """Another MPI's mpirun or mpiexec first on the remote PATH (dtrun is not affected; users are)."""
+    for name in ("mpirun", "mpiexec"):
+        found = rep.which.get(name)
+        if not found or found == local.mpirun:
+            continue
+        label = _mpi_label(rep.versions.get(found))
+        if label and label != local.mpi_label:
+            return [(WARN, f"`{name}` on {host}'s non-interactive PATH is {label} ({found}); this host launches "
+                           f"{local.mpi_label} ({local.mpirun})",
+                     f"dtrun runs mpirun by absolute path and is not affected; put {os.path.dirname(local.mpirun)} "
+                     f"before {os.path.dirname(found)} on {host}'s PATH so that a plain `{name}` and other tools agree")]
+    return []
+
+
+def _stale_sessions(host: str, rep: ProbeReport, local: LocalFacts) -> _Problems:
+    """What killed Open MPI 5 jobs left (launcher/remote/sessiondirs.py)."""
+    n, dirs = rep.stale_sessions.count, list(rep.stale_sessions.paths)
+    if not n:
+        return []
+    shown = ", ".join(dirs[:3]) + (", …" if n > 3 else "")
+    return [(WARN, f"{n} session director{'y' if n == 1 else 'ies'} of killed Open MPI 5 jobs on {host} ({shown}): "
+                   f"a daemon that is given one of those pids stops at start-up and mpirun reports "
+                   f"'Daemon exit status: 213'",
+             f"dtrun's rank wrapper removes them during the next job on {host}; to remove them now: "
+             f"ssh {shlex.quote(host)} rm -rf {' '.join(shlex.quote(d) for d in dirs)}"
+             + (f" (the first {len(dirs)} of {n})" if n > len(dirs) else ""))]
+
+
+def _job_python(host: str, rep: ProbeReport, local: LocalFacts) -> _Problems:
+    """The job's Python at the same path, its version, and mpi4py with the libraries it loads."""
+    py, ld = rep.python, rep.ld_library_path
+    if not rep.at("python").executable:
+        return [(FAIL, f"{local.python} (Python {local.python_version}, the job's interpreter here) does not exist on "
+                       f"{host}; its non-interactive PATH finds python3 at {rep.which.get('python3') or 'nowhere'}",
+                 f"create the same virtual environment at the same path on {host}, or use a shared file system")]
+    if not py.is_job_python:
+        return []
+    out = []
+    if py.version != local.python_version:
+        out.append((FAIL, f"{local.python} on {host} is Python {py.version}; here it is {local.python_version}",
+                    "use the same Python version on every host (pickled objects and compiled extensions differ)"))
+    if py.mpi4py_error:
+        err = py.mpi4py_error
+        lib = "cannot open shared object" in err or "libmpi" in err or err.startswith("OSError")
+        out.append((FAIL, f"mpi4py does not load on {host}: {err}" +
+                    (f" (LD_LIBRARY_PATH there: {ld or 'unset'}; here: {local.ld_library_path or 'unset'})" if lib else ""),
+                    NON_INTERACTIVE_FIX.format(host=host).replace("set it", "set LD_LIBRARY_PATH") if lib
+                    else f"pip install mpi4py in {os.path.dirname(os.path.dirname(local.python))} on {host}"))
+    elif local.mpi4py and py.mpi4py != local.mpi4py:
+        out.append((WARN, f"mpi4py {py.mpi4py} on {host}, {local.mpi4py} here", f"install mpi4py=={local.mpi4py} on {host}"))
+    return out
+
+
+def _library_path(host: str, rep: ProbeReport, local: LocalFacts) -> _Problems:
+    """LD_LIBRARY_PATH entries this host has and the remote non-interactive shell lacks."""
+    ld = rep.ld_library_path
+    if not local.ld_library_path or ld == local.ld_library_path:
+        return []
+    missing = [d for d in local.ld_library_path.split(":") if d and d not in (ld or "").split(":")]
+    if not missing:
+        return []
+    return [(WARN, f"LD_LIBRARY_PATH in a non-interactive shell on {host} is {ld or 'unset'}; here it is "
+                   f"{local.ld_library_path} (missing there: {':'.join(missing)}); dtrun forwards it to the ranks "
+                   f"(-x LD_LIBRARY_PATH), but mpirun's daemons and plain `ssh {host} cmd` start without it",
+             NON_INTERACTIVE_FIX.format(host=host).replace("set it", f"set LD_LIBRARY_PATH={local.ld_library_path}"))]
+
+
+def _workdir_and_program(host: str, rep: ProbeReport, local: LocalFacts) -> _Problems:
+    """The working directory and the program, at the same paths as here."""
+    out = []
+    if not rep.at("cwd").isdir:
+        out.append((FAIL, f"the working directory {local.cwd} does not exist on {host}; mpirun starts every rank there",
+                    f"create it on {host}, or launch from a directory on the shared file system"))
+    if local.program and not rep.at("program").exists:
+        out.append((FAIL, f"the program {local.program} does not exist on {host}",
+                    f"copy it to {host} at the same path (rsync -a {shlex.quote(local.program)} "
+                    f"{shlex.quote(host + ':' + local.program)}), or keep code on a shared file system"))
+    return out
+
+
+def this_host_findings(host: str, rep: Union[ProbeReport, Mapping], local: LocalFacts) -> list[Finding]:
+    py = probe_report(rep).python
+    if py.mpi4py_error:
+        return [Finding(host, CHECK, FAIL, f"mpi4py does not load on this host: {py.mpi4py_error}",
                         f"pip install mpi4py into {os.path.dirname(os.path.dirname(local.python))}")]
-    mpi4py = f" with mpi4py {py['mpi4py']}" if py.get("mpi4py") else " without mpi4py"
+    mpi4py = f" with mpi4py {py.mpi4py}" if py.mpi4py else " without mpi4py"
     return [Finding(host, CHECK, OK, f"this host, the reference for the others: {local.mpi_label} ({local.mpirun}), "
-                                     f"Python {py.get('version')}{mpi4py}")]
+                                     f"Python {py.version}{mpi4py}")]
 
 
-def consistency_findings(reports: Mapping[str, Mapping], local: LocalFacts) -> list[Finding]:
+def consistency_findings(reports: Mapping[str, Union[ProbeReport, Mapping]], local: LocalFacts) -> list[Finding]:
     """LD_LIBRARY_PATH that differs between hosts (the odd ones out are named with both values)."""
     from collections import Counter
 
-    values = {h: (r.get("env") or {}).get("LD_LIBRARY_PATH") or "" for h, r in reports.items() if not r.get("error")}
+    parsed = {h: probe_report(r) for h, r in reports.items()}
+    values = {h: r.ld_library_path or "" for h, r in parsed.items() if r.ok}
     if len(set(values.values())) < 2:
         return []
     counts = Counter(values.values())

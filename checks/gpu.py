@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Union
 
+from checks.probereport import ProbeReport, probe_report
 from checks.result import FAIL, NA, OK, WARN, Finding
 
 CHECK = "gpu"
@@ -44,8 +45,8 @@ class HostGpus:
     nccl: tuple[str, ...] = ()
 
 
-def host_gpus(host: str, slots: int, report: Mapping) -> HostGpus:
-    g = report.get("gpu") or {}
+def host_gpus(host: str, slots: int, report: Union[ProbeReport, Mapping]) -> HostGpus:
+    g = probe_report(report).gpu
     if not g.get("nvidia_smi"):
         return HostGpus(host, slots, None)
     text = g.get("query") or ""

@@ -16,7 +16,7 @@ from checks.errors import HostKeyChanged, HostKeyRevoked, HostKeyUnknown
 from launcher.errors import ExitCode, UsageError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KeyscanSpec:
     hosts: tuple[str, ...] = ()
     host_list: Optional[str] = None

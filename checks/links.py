@@ -110,16 +110,7 @@ def link_findings(results: Mapping[tuple[str, str], dict], names: Sequence[str])
         if (a, b) not in failed:
             sends[a].append((a, b))
             recvs[b].append((a, b))
-    slow_set = set(slow)
-    unexplained = set(slow)
-    blamed: dict[str, str] = {}
-    # The host with the most slow links first: it explains them, the rest are looked at again.
-    for host in sorted(names, key=lambda h: -sum(1 for p in slow if h in p)):
-        for direction, mine in (("sending", sends[host]), ("receiving", recvs[host])):
-            if len(mine) >= 2 and all(p in slow_set for p in mine) and any(p in unexplained for p in mine):
-                blamed[host] = direction
-                unexplained -= set(mine)
-                break
+    blamed, unexplained = _blame(names, slow, sends, recvs)
     where = f"median {_fmt_rate(median)}" if median else ""
     for host, direction in blamed.items():
         mine = sends[host] if direction == "sending" else recvs[host]
@@ -152,16 +143,36 @@ def link_findings(results: Mapping[tuple[str, str], dict], names: Sequence[str])
         findings.append(Finding(a, CHECK, WARN, f"link {a} → {b} could not be measured: {r['error']}",
                                 "see the firewall column: the link test uses an ephemeral TCP port"))
     named = {f.host for f in findings}
-    for host in names:
-        if host in named or not (sends[host] or recvs[host]):
-            continue
-        rates = [results[p]["mbps"] for p in sends[host] + recvs[host] if results[p].get("mbps")]
-        hrtts = [results[p]["rtt_ms"] for p in sends[host] + recvs[host] if results[p].get("rtt_ms") is not None]
+    return findings + _ok_findings([h for h in names if h not in named], results, sends, recvs)
+
+
+def _blame(names: Sequence[str], slow, sends, recvs) -> tuple[dict[str, str], set]:
+    """({host: "sending" or "receiving"} for hosts all of whose links one way are slow, the slow pairs left)."""
+    slow_set = set(slow)
+    unexplained = set(slow)
+    blamed: dict[str, str] = {}
+    # The host with the most slow links first: it explains them, the rest are looked at again.
+    for host in sorted(names, key=lambda h: -sum(1 for p in slow if h in p)):
+        for direction, mine in (("sending", sends[host]), ("receiving", recvs[host])):
+            if len(mine) >= 2 and all(p in slow_set for p in mine) and any(p in unexplained for p in mine):
+                blamed[host] = direction
+                unexplained -= set(mine)
+                break
+    return blamed, unexplained
+
+
+def _ok_findings(hosts: Sequence[str], results, sends, recvs) -> list[Finding]:
+    """An ok line with its own median rate and round trip for each host measured."""
+    out = []
+    for host in hosts:
+        pairs = sends[host] + recvs[host]
+        rates = [results[p]["mbps"] for p in pairs if results[p].get("mbps")]
+        hrtts = [results[p]["rtt_ms"] for p in pairs if results[p].get("rtt_ms") is not None]
         if rates:
-            findings.append(Finding(host, CHECK, OK, f"links: {_fmt_rate(statistics.median(rates))} median over "
-                                                     f"{len(rates)} measured pair(s), round trip "
-                                                     f"{statistics.median(hrtts):.2f} ms"))
-    return findings
+            out.append(Finding(host, CHECK, OK, f"links: {_fmt_rate(statistics.median(rates))} median over "
+                                                f"{len(rates)} measured pair(s), round trip "
+                                                f"{statistics.median(hrtts):.2f} ms"))
+    return out
 
 
 def summary(results: Mapping[tuple[str, str], dict], seconds: float) -> dict:

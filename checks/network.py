@@ -12,8 +12,9 @@ from __future__ import annotations
 import ipaddress
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Union
 
+from checks.probereport import ProbeReport, probe_report
 from checks.result import FAIL, OK, WARN, Finding
 from launcher.interfaces import VIRTUAL, Interface, local_interfaces, parse_ip_json
 
@@ -40,8 +41,8 @@ def parse_sysfs(items: Sequence[Mapping]) -> list[Interface]:
     return out
 
 
-def interfaces_of(report: Mapping) -> list[Interface]:
-    found = report.get("interfaces") or {}
+def interfaces_of(report: Union[ProbeReport, Mapping]) -> list[Interface]:
+    found = probe_report(report).interfaces
     if found.get("source") == "ip":
         return parse_ip_json(found.get("ip_json", "[]"))
     return parse_sysfs(found.get("sysfs") or [])

@@ -141,37 +141,13 @@ def validate_entry(data, remote_hosts: Optional[tuple] = None, local_ifaces=None
     Hydra's -iface), so each one must pass the grammar the command line itself uses, and
     the subnet must be one that every host listed has an address on.
     """
-    import ipaddress
-
     from launcher.errors import InvalidValue
 
     if not isinstance(data, dict) or set(data) != {"time", "include", "nccl", "host_ifaces"}:
         raise BadCacheEntry("not a preflight result dtrun wrote")
-    stamp = data["time"]
-    if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or stamp != stamp:
-        raise BadCacheEntry(f"time {stamp!r} is not a number")
-    age = (time.time() if now is None else now) - stamp
-    if age > CACHE_TTL_S:
-        raise BadCacheEntry("expired")
-    if age < -CLOCK_SKEW_S:
-        raise BadCacheEntry("written in the future")
+    _check_age(data["time"], now)
     try:
-        host_ifaces = []
-        rows = data["host_ifaces"]
-        if not isinstance(rows, list):
-            raise BadCacheEntry("host_ifaces is not a list")
-        for row in rows:
-            if not (isinstance(row, list) and len(row) == 2 and _is_str(row[0]) and isinstance(row[1], list)):
-                raise BadCacheEntry(f"host_ifaces entry {row!r} is not [host, [[interface, address], ...]]")
-            items = []
-            for item in row[1]:
-                if not (isinstance(item, list) and len(item) == 2 and _is_str(item[1])):
-                    raise BadCacheEntry(f"{row[0]}: interface entry {item!r} is not [interface, address/prefix]")
-                addr = ipaddress.ip_interface(item[1])
-                if addr.version != 4 or str(addr) != item[1]:
-                    raise BadCacheEntry(f"{row[0]}: {item[1]!r} is not an IPv4 address/prefix")
-                items.append((_iface_name(item[0]), item[1]))
-            host_ifaces.append((row[0], tuple(items)))
+        host_ifaces = _host_ifaces(data["host_ifaces"])
         names = [h for h, _ in host_ifaces]
         if len(set(names)) != len(names):
             raise BadCacheEntry("a host is listed twice")
@@ -185,26 +161,66 @@ def validate_entry(data, remote_hosts: Optional[tuple] = None, local_ifaces=None
         net = _subnet(include)
         if remote_hosts is not None and not host_ifaces:
             raise BadCacheEntry(f"subnet {include} without the hosts' interfaces")
-        on_it = set()
-        for host, items in host_ifaces:
-            here = {name for name, a in items if ipaddress.ip_interface(a).ip in net}
-            if not here:
-                raise BadCacheEntry(f"subnet {include} is not on {host}")
-            on_it |= here
-        mine = local_ifaces() if callable(local_ifaces) else local_ifaces
-        if mine is not None and not any(n.ip in net for i in mine for n in i.networks):
-            raise BadCacheEntry(f"subnet {include} is not on this host")
-        if not _is_str(nccl):
-            raise BadCacheEntry(f"NCCL_SOCKET_IFNAME {nccl!r} is not text")
-        given = nccl[1:] if nccl.startswith("=") else nccl
-        listed = {_iface_name(n) for n in given.split(",")}
-        if not on_it <= listed or (nccl.startswith("=") and len(listed) != 1):
-            raise BadCacheEntry(f"NCCL_SOCKET_IFNAME {nccl!r} does not name the interfaces on {include}")
+        _check_subnet_and_nccl(include, net, nccl, host_ifaces, local_ifaces)
         return PreflightResult((), include, nccl, tuple(host_ifaces))
     except (InvalidValue, ValueError, TypeError) as exc:
         if isinstance(exc, BadCacheEntry):
             raise
         raise BadCacheEntry(str(exc)) from None
+
+
+def _check_age(stamp, now: Optional[float]) -> None:
+    """The entry's time stamp: a number, not older than CACHE_TTL_S, not in the future."""
+    if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or stamp != stamp:
+        raise BadCacheEntry(f"time {stamp!r} is not a number")
+    age = (time.time() if now is None else now) - stamp
+    if age > CACHE_TTL_S:
+        raise BadCacheEntry("expired")
+    if age < -CLOCK_SKEW_S:
+        raise BadCacheEntry("written in the future")
+
+
+def _host_ifaces(rows) -> list[tuple[str, tuple]]:
+    """[(host, ((interface, address/prefix), ...)), ...] from the entry's ``host_ifaces``, each value checked."""
+    import ipaddress
+
+    if not isinstance(rows, list):
+        raise BadCacheEntry("host_ifaces is not a list")
+    host_ifaces = []
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 2 and _is_str(row[0]) and isinstance(row[1], list)):
+            raise BadCacheEntry(f"host_ifaces entry {row!r} is not [host, [[interface, address], ...]]")
+        items = []
+        for item in row[1]:
+            if not (isinstance(item, list) and len(item) == 2 and _is_str(item[1])):
+                raise BadCacheEntry(f"{row[0]}: interface entry {item!r} is not [interface, address/prefix]")
+            addr = ipaddress.ip_interface(item[1])
+            if addr.version != 4 or str(addr) != item[1]:
+                raise BadCacheEntry(f"{row[0]}: {item[1]!r} is not an IPv4 address/prefix")
+            items.append((_iface_name(item[0]), item[1]))
+        host_ifaces.append((row[0], tuple(items)))
+    return host_ifaces
+
+
+def _check_subnet_and_nccl(include: str, net, nccl, host_ifaces, local_ifaces) -> None:
+    """The subnet is on every host listed and on this one; NCCL_SOCKET_IFNAME names its interfaces."""
+    import ipaddress
+
+    on_it = set()
+    for host, items in host_ifaces:
+        here = {name for name, a in items if ipaddress.ip_interface(a).ip in net}
+        if not here:
+            raise BadCacheEntry(f"subnet {include} is not on {host}")
+        on_it |= here
+    mine = local_ifaces() if callable(local_ifaces) else local_ifaces
+    if mine is not None and not any(n.ip in net for i in mine for n in i.networks):
+        raise BadCacheEntry(f"subnet {include} is not on this host")
+    if not _is_str(nccl):
+        raise BadCacheEntry(f"NCCL_SOCKET_IFNAME {nccl!r} is not text")
+    given = nccl[1:] if nccl.startswith("=") else nccl
+    listed = {_iface_name(n) for n in given.split(",")}
+    if not on_it <= listed or (nccl.startswith("=") and len(listed) != 1):
+        raise BadCacheEntry(f"NCCL_SOCKET_IFNAME {nccl!r} does not name the interfaces on {include}")
 
 
 def cache_path(key: str) -> Path:

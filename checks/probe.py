@@ -1,4 +1,4 @@
-"""Starting ``checks/remote_probe.py`` on a host and talking to it in JSON lines.
+"""Starting the probe (``launcher/remote/probe.py``) on a host and talking to it in JSON lines.
 
 On a remote host the probe runs over the host's existing SSH connection; on this
 machine it runs as a subprocess. Either way it is the same fixed program: the
@@ -16,15 +16,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Optional
 
 from checks.errors import CheckTimeout, RemoteCommandError
+from launcher.remote import bundle
 
-# One program: launcher/sessiondirs.py (standard library only) goes first, so the probe can
-# report its host's stale Open MPI session directories with the code dtrun removes them with.
-PROBE_SOURCE = ((Path(__file__).parent.parent / "launcher" / "sessiondirs.py").read_bytes() + b"\n"
-                + Path(__file__).with_name("remote_probe.py").read_bytes())
+# One program holding the probe and the modules it imports (launcher.remote.bundle), so it runs
+# on a host that has no copy of dtrun: the probe reports its host's stale Open MPI session
+# directories with the code dtrun removes them with (sessiondirs).
+PROBE_SOURCE = bundle("probe", ("procfs", "sessiondirs"))
 # Reads the probe's source (length-prefixed) from stdin and runs it as __main__; the rest of
 # stdin is left for the probe's JSON lines.
 BOOT = ("import sys;b=sys.stdin.buffer;n=int(b.readline());"

@@ -1,9 +1,9 @@
 /* Compiled shared-memory allreduce for the ranks of one host ("shm1", and "shm2" below),
  * and the flight recorder's store.
  *
- * Why compiled: below about 16 KiB an allreduce costs 1-5 us, and the Python
+ * Why compiled: below about 16 KiB an allreduce costs a few microseconds, and the Python
  * shared-memory path spends that much on NumPy calls alone, while MPI's own shared-memory
- * allreduce takes about 1 us. Here one call is: copy the input into this rank's slot,
+ * allreduce takes about one. Here one call is: copy the input into this rank's slot,
  * post a counter, wait for every other rank's counter, then reduce all slots in
  * local-rank order into the output. One synchronisation per step, no Python in between.
  *
@@ -26,8 +26,8 @@
  * core. Otherwise it spins and does not yield, because sched_yield hands the core to
  * whatever else runs there (a busy process: a whole time slice, 1-4 ms) and the late rank,
  * on another core, is not helped by it. Nor does it go to sleep early: when the late rank
- * is only preempted for a moment, a sleeping waiter costs it a wake-up on every step (with
- * one core busy: 30-40 us per 4 KiB allreduce instead of 5). With more ranks than CPUs
+ * is only preempted for a moment, a sleeping waiter costs it a wake-up on every step, which
+ * takes longer than the small allreduce itself. With more ranks than CPUs
  * (yield_always) every wait yields after a short spin, as the late rank may be queued
  * behind the waiter on any core.
  *
@@ -475,6 +475,23 @@ static void slice_of(Py_ssize_t units, Py_ssize_t unit, Py_ssize_t m, int q, int
     if (*hi > m) *hi = m;
 }
 
+/* Every other rank q's slice of an m-byte step, between the arrays and the slots:
+ * to_stream 0 copies the arrays' bytes into this rank's slot (phase 1), to_stream 1 copies
+ * q's reduced slice from q's slot into the arrays (phase 3). */
+static void copy_other_slices(Engine *e, const seg_t *segs, Py_ssize_t nseg,
+                              const Py_ssize_t *starts, Py_ssize_t units, Py_ssize_t unit,
+                              Py_ssize_t m, Py_ssize_t start, int par, int to_stream) {
+    Py_ssize_t hint = 0;
+    for (int q = 0; q < e->n; q++) {
+        if (q == e->me) continue;
+        Py_ssize_t lo, hi;
+        slice_of(units, unit, m, q, e->n, &lo, &hi);
+        if (hi > lo)
+            stream_copy(segs, nseg, starts, &hint, start + lo,
+                        slot(e, to_stream ? q : e->me, par) + lo, hi - lo, to_stream);
+    }
+}
+
 #define BLOCK 8192  /* bytes reduced at a time in phase 2 (stays in L1) */
 
 static int run2(Engine *e, const seg_t *segs, Py_ssize_t nseg, int type, int op) {
@@ -494,21 +511,13 @@ static int run2(Engine *e, const seg_t *segs, Py_ssize_t nseg, int type, int op)
         Py_ssize_t m = total - start < e->cap ? total - start : e->cap;  /* bytes this step */
         Py_ssize_t units = (m + unit - 1) / unit;
         int par = (int)(e->step++ & 1);
-        Py_ssize_t hint = 0;
         /* (1) the others' slices of this rank's data into its slot */
-        for (int q = 0; q < n; q++) {
-            if (q == me) continue;
-            Py_ssize_t lo, hi;
-            slice_of(units, unit, m, q, n, &lo, &hi);
-            if (hi > lo)
-                stream_copy(segs, nseg, starts, &hint, start + lo, slot(e, me, par) + lo, hi - lo, 0);
-        }
+        copy_other_slices(e, segs, nseg, starts, units, unit, m, start, par, 0);
         if (sync_all(e) < 0) { rc = -1; goto out; }
         /* (2) this rank's slice */
         Py_ssize_t lo, hi;
         slice_of(units, unit, m, me, n, &lo, &hi);
-        hint = 0;
-        Py_ssize_t whint = 0;
+        Py_ssize_t hint = 0, whint = 0;
         for (Py_ssize_t b = lo, len; b < hi; b += len) {
             len = hi - b < BLOCK ? hi - b : BLOCK;
             /* A block ends where its first segment does when the segment ends inside it
@@ -529,14 +538,7 @@ static int run2(Engine *e, const seg_t *segs, Py_ssize_t nseg, int type, int op)
         }
         if (sync_all(e) < 0) { rc = -1; goto out; }
         /* (3) the other slices' results */
-        hint = 0;
-        for (int q = 0; q < n; q++) {
-            if (q == me) continue;
-            Py_ssize_t qlo, qhi;
-            slice_of(units, unit, m, q, n, &qlo, &qhi);
-            if (qhi > qlo)
-                stream_copy(segs, nseg, starts, &hint, start + qlo, slot(e, q, par) + qlo, qhi - qlo, 1);
-        }
+        copy_other_slices(e, segs, nseg, starts, units, unit, m, start, par, 1);
     }
 out:
     PyMem_Free(starts);
@@ -790,6 +792,17 @@ static PyObject *Engine_check(Engine *e, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* The N_TYPES ints of ``tuple`` (its length checked by the caller) into ``out``, one per
+ * type code; -1 with an exception set at the first that is not an int. */
+static int per_type(PyObject *tuple, long long *out) {
+    for (int t = 0; t < N_TYPES; t++) {
+        out[t] = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, t));
+        if (out[t] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
 /* set_signature(bases, redop_shift, path_shift, on_mismatch): allreduce()'s signature bits
  * per type code, where the op and path codes go, and the callable that raises on a
  * mismatch (given every rank's signature). */
@@ -803,11 +816,8 @@ static PyObject *Engine_set_signature(Engine *e, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "set_signature(bases: one int per type code, shifts, callable)");
         return NULL;
     }
-    for (int t = 0; t < N_TYPES; t++) {
-        e->sig_base[t] = PyLong_AsLongLong(PyTuple_GET_ITEM(bases, t));
-        if (e->sig_base[t] == -1 && PyErr_Occurred())
-            return NULL;
-    }
+    if (per_type(bases, e->sig_base) < 0)
+        return NULL;
     e->redop_shift = rs;
     e->path_shift = ps;
     Py_XSETREF(e->on_mismatch, Py_NewRef(cb));
@@ -875,11 +885,8 @@ static PyObject *Engine_set_recorder(Engine *e, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "descs: one int per type code");
         return NULL;
     }
-    for (int t = 0; t < N_TYPES; t++) {
-        e->rec_desc[t] = PyLong_AsLongLong(PyTuple_GET_ITEM(descs, t));
-        if (e->rec_desc[t] == -1 && PyErr_Occurred())
-            return NULL;
-    }
+    if (per_type(descs, e->rec_desc) < 0)
+        return NULL;
     e->rec = (int64_t *)(uintptr_t)addr;
     e->rec_inside = (int64_t *)(uintptr_t)inside;
     e->inside_on = e->timing ? e->rec_inside : NULL;
@@ -936,21 +943,21 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
     return 0;
 }
 
+/* The Python objects an Engine holds: the garbage collector's traverse and clear both
+ * go through this one list. */
+#define ENGINE_OBJECTS(X) X(keep) X(fallback) X(empty_like) X(ndarray) X(on_mismatch)
+
 static int Engine_traverse(Engine *e, visitproc visit, void *arg) {
-    Py_VISIT(e->keep);
-    Py_VISIT(e->fallback);
-    Py_VISIT(e->empty_like);
-    Py_VISIT(e->ndarray);
-    Py_VISIT(e->on_mismatch);
+#define VISIT_FIELD(f) Py_VISIT(e->f);
+    ENGINE_OBJECTS(VISIT_FIELD)
+#undef VISIT_FIELD
     return 0;
 }
 
 static int Engine_clear(Engine *e) {
-    Py_CLEAR(e->keep);
-    Py_CLEAR(e->fallback);
-    Py_CLEAR(e->empty_like);
-    Py_CLEAR(e->ndarray);
-    Py_CLEAR(e->on_mismatch);
+#define CLEAR_FIELD(f) Py_CLEAR(e->f);
+    ENGINE_OBJECTS(CLEAR_FIELD)
+#undef CLEAR_FIELD
     return 0;
 }
 
@@ -1050,8 +1057,8 @@ static PyTypeObject EngineType = {
 };
 
 /* same_items(a, b): whether two sequences hold the very same objects, in order (the
- * grouped_allreduce plan cache's check: 256 arrays in ~0.2 us, where Python's
- * all(map(operator.is_, a, b)) takes ~5 us). */
+ * grouped_allreduce plan cache's check, on every call: a C loop of pointer compares, where
+ * Python's all(map(operator.is_, a, b)) pays an interpreter step per array). */
 static PyObject *same_items(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     (void)mod;
     if (nargs != 2) {

@@ -144,111 +144,151 @@ def _values(n: int, shift: int):
     return ((np.arange(n) + shift) % 3 + 1).astype(np.float64)
 
 
+class _Case:
+    """One (op, size) of the benchmark on this rank: element type and counts, MPI handles."""
+
+    def __init__(self, comm, op: str, nbytes: int, dname: str, redop: str, root: int) -> None:
+        import numpy as np
+
+        from . import dtypes as dt
+        self.dt, self.comm, self.redop, self.root = dt, comm, redop, root
+        self.dtype = dt.BFLOAT16 if dname == "bfloat16" else np.dtype(dname)
+        self.size, self.rank = comm.size, comm.rank
+        count = nbytes // self.dtype.itemsize
+        split = op in ("allgather", "reduce_scatter", "alltoall")
+        if split:
+            count -= count % self.size
+        self.count, self.per = count, count // self.size if split else count
+        self.t = dt.mpi_type(self.dtype)
+        self.mop = dt.mpi_op(self.dtype, redop) if op in _REDUCING else None
+
+    def mk(self, n: int, shift: int = 0):
+        """``_values(n, shift)`` in the benchmark's dtype."""
+        return self.dt.from_float64(_values(n, shift), self.dtype)
+
+    def wrong(self, got, expected) -> int:
+        return _wrong(self.dt.to_float64(got), expected)
+
+
+_REDUCING = ("allreduce", "reduce_scatter", "reduce")
+# The collectives whose MPI form is (send, recv[, op]): Comm's method, MPI's, and the
+# elements of the input, the output and the in-place buffer ("count", or "per": count/size).
+_SEND_RECV = {
+    "allreduce": ("allreduce", "Allreduce", "count", "count", "out"),
+    "allgather": ("allgather", "Allgather", "per", "count", "out"),
+    "reduce_scatter": ("reduce_scatter", "Reduce_scatter_block", "count", "per", "in"),
+    "alltoall": ("alltoall", "Alltoall", "count", "count", "out"),
+}
+
+
+def _send_recv_calls(c: _Case, op: str) -> dict:
+    """Ours and raw mpi4py's calls, out-of-place and in-place, for an op of _SEND_RECV."""
+    import numpy as np
+    from ._mpi import MPI
+    method, mpi_method, n_in, n_out, inplace = _SEND_RECV[op]
+    x, y = c.mk(getattr(c, n_in), c.rank), np.empty(getattr(c, n_out), c.dtype)
+    z = x if inplace == "in" else y
+    ours, raw, t = getattr(c.comm, method), getattr(c.comm.mpi, mpi_method), c.t
+    red, mred = ((c.redop,), (c.mop,)) if c.mop is not None else ((), ())
+    return {"ours_oop": lambda: ours(x, *red, out=y),
+            "ours_ip": lambda: ours(z, *red, inplace=True),
+            "raw_oop": lambda: raw([x, t], [y, t], *mred),
+            "raw_ip": lambda: raw(MPI.IN_PLACE, [z, t], *mred)}
+
+
+def _reduce_calls(c: _Case) -> dict:
+    import numpy as np
+    from ._mpi import MPI
+    comm, m, t, root = c.comm, c.comm.mpi, c.t, c.root
+    x, y = c.mk(c.count, c.rank), np.empty(c.count, c.dtype)
+    is_root = c.rank == root
+    return {"ours_oop": lambda: comm.reduce(x, c.redop, root, out=y if is_root else None),
+            "ours_ip": lambda: comm.reduce(y, c.redop, root, inplace=True),
+            "raw_oop": lambda: m.Reduce([x, t], [y, t] if is_root else None, c.mop, root),
+            "raw_ip": lambda: m.Reduce(MPI.IN_PLACE if is_root else [y, t],
+                                       [y, t] if is_root else None, c.mop, root)}
+
+
+def _broadcast_calls(c: _Case) -> dict:
+    import numpy as np
+    comm, m, t, root = c.comm, c.comm.mpi, c.t, c.root
+    x, y = c.mk(c.count, c.rank), np.empty(c.count, c.dtype)
+    return {"ours_oop": lambda: comm.broadcast(x, root, out=y),
+            "ours_ip": lambda: comm.broadcast(y, root, inplace=True),
+            "raw_oop": lambda: m.Bcast([y, t], root),  # MPI has no out-of-place form
+            "raw_ip": lambda: m.Bcast([y, t], root)}
+
+
+# -- the checked runs: wrong elements on this rank, out-of-place or in place
+def _check_allreduce(c: _Case, inplace: bool) -> int:
+    import numpy as np
+    if inplace:
+        got = c.comm.allreduce(c.mk(c.count, c.rank), c.redop, inplace=True)
+    else:
+        got = c.comm.allreduce(c.mk(c.count, c.rank), c.redop, out=np.empty(c.count, c.dtype))
+    return c.wrong(got, _expected_reduce(c.size, c.count, 0, c.redop))
+
+
+def _check_reduce(c: _Case, inplace: bool) -> int:
+    got = c.comm.reduce(c.mk(c.count, c.rank), c.redop, c.root, inplace=inplace)
+    if c.rank != c.root:
+        return 0
+    return c.wrong(got, _expected_reduce(c.size, c.count, 0, c.redop))
+
+
+def _check_broadcast(c: _Case, inplace: bool) -> int:
+    got = c.comm.broadcast(c.mk(c.count, c.rank), c.root, inplace=inplace)
+    return c.wrong(got, _values(c.count, c.root))
+
+
+def _check_allgather(c: _Case, inplace: bool) -> int:
+    import numpy as np
+    per, rank = c.per, c.rank
+    if inplace:
+        z = np.zeros(c.count, c.dtype)
+        z[rank * per:(rank + 1) * per] = c.mk(per, rank)
+        got = c.comm.allgather(z, inplace=True)
+    else:
+        got = c.comm.allgather(c.mk(per, rank))
+    return c.wrong(got, np.concatenate([_values(per, k) for k in range(c.size)]))
+
+
+def _check_reduce_scatter(c: _Case, inplace: bool) -> int:
+    got = c.comm.reduce_scatter(c.mk(c.count, c.rank), c.redop, inplace=inplace)
+    full = _expected_reduce(c.size, c.count, 0, c.redop)
+    return c.wrong(got, full[c.rank * c.per:(c.rank + 1) * c.per])
+
+
+def _check_alltoall(c: _Case, inplace: bool) -> int:
+    import numpy as np
+    per, size, rank = c.per, c.size, c.rank
+    src = c.dt.from_float64(np.concatenate([_values(per, 100 * rank + j) for j in range(size)]),
+                            c.dtype)
+    got = c.comm.alltoall(src, inplace=inplace)
+    return c.wrong(got, np.concatenate([_values(per, 100 * j + rank) for j in range(size)]))
+
+
+# op -> (its four timed calls, its check)
+_OPS: dict[str, tuple[Callable[[_Case], dict], Callable[[_Case, bool], int]]] = {
+    "allreduce": (lambda c: _send_recv_calls(c, "allreduce"), _check_allreduce),
+    "reduce": (_reduce_calls, _check_reduce),
+    "broadcast": (_broadcast_calls, _check_broadcast),
+    "allgather": (lambda c: _send_recv_calls(c, "allgather"), _check_allgather),
+    "reduce_scatter": (lambda c: _send_recv_calls(c, "reduce_scatter"), _check_reduce_scatter),
+    "alltoall": (lambda c: _send_recv_calls(c, "alltoall"), _check_alltoall),
+}
+
+
 def build(comm, op: str, nbytes: int, dname: str, redop: str, root: int) -> dict:
     """Buffers and callables for one (op, size): ours and raw, out-of-place and in-place,
     plus a checker returning the number of wrong elements on this rank."""
-    import numpy as np
-    from ._mpi import MPI
-
-    from . import dtypes as dt
-    dtype = dt.BFLOAT16 if dname == "bfloat16" else np.dtype(dname)
-    size, rank = comm.size, comm.rank
-    count = nbytes // dtype.itemsize
-    split = op in ("allgather", "reduce_scatter", "alltoall")
-    if split:
-        count -= count % size
-    per = count // size if split else count
-    t = dt.mpi_type(dtype)
-    mop = dt.mpi_op(dtype, redop) if op in ("allreduce", "reduce_scatter", "reduce") else None
-    mk = lambda n, shift=0: dt.from_float64(_values(n, shift), dtype)  # noqa: E731
-    m = comm.mpi
-    IP = MPI.IN_PLACE
-    b: dict[str, Any] = {"count": count, "nbytes": count * dtype.itemsize}
-
-    if op == "allreduce":
-        x, y = mk(count, rank), np.empty(count, dtype)
-        b["ours_oop"] = lambda: comm.allreduce(x, redop, out=y)
-        b["ours_ip"] = lambda: comm.allreduce(y, redop, inplace=True)
-        b["raw_oop"] = lambda: m.Allreduce([x, t], [y, t], mop)
-        b["raw_ip"] = lambda: m.Allreduce(IP, [y, t], mop)
-        exp = lambda: _expected_reduce(size, count, 0, redop)  # noqa: E731
-
-        def check(inplace):
-            if inplace:
-                z = mk(count, rank)
-                got = comm.allreduce(z, redop, inplace=True)
-            else:
-                got = comm.allreduce(mk(count, rank), redop, out=np.empty(count, dtype))
-            return _wrong(dt.to_float64(got), exp())
-    elif op == "reduce":
-        x, y = mk(count, rank), np.empty(count, dtype)
-        is_root = rank == root
-        b["ours_oop"] = lambda: comm.reduce(x, redop, root, out=y if is_root else None)
-        b["ours_ip"] = lambda: comm.reduce(y, redop, root, inplace=True)
-        b["raw_oop"] = lambda: m.Reduce([x, t], [y, t] if is_root else None, mop, root)
-        b["raw_ip"] = lambda: m.Reduce(IP if is_root else [y, t], [y, t] if is_root else None,
-                                       mop, root)
-
-        def check(inplace):
-            z = mk(count, rank)
-            got = comm.reduce(z, redop, root, inplace=inplace)
-            if not is_root:
-                return 0
-            return _wrong(dt.to_float64(got), _expected_reduce(size, count, 0, redop))
-    elif op == "broadcast":
-        x, y = mk(count, rank), np.empty(count, dtype)
-        b["ours_oop"] = lambda: comm.broadcast(x, root, out=y)
-        b["ours_ip"] = lambda: comm.broadcast(y, root, inplace=True)
-        b["raw_oop"] = lambda: m.Bcast([y, t], root)  # MPI has no out-of-place form
-        b["raw_ip"] = lambda: m.Bcast([y, t], root)
-
-        def check(inplace):
-            z = mk(count, rank)
-            got = comm.broadcast(z, root, inplace=inplace)
-            return _wrong(dt.to_float64(got), _values(count, root))
-    elif op == "allgather":
-        x, y = mk(per, rank), np.empty(count, dtype)
-        b["ours_oop"] = lambda: comm.allgather(x, out=y)
-        b["ours_ip"] = lambda: comm.allgather(y, inplace=True)
-        b["raw_oop"] = lambda: m.Allgather([x, t], [y, t])
-        b["raw_ip"] = lambda: m.Allgather(IP, [y, t])
-        exp = lambda: np.concatenate([_values(per, k) for k in range(size)])  # noqa: E731
-
-        def check(inplace):
-            if inplace:
-                z = np.zeros(count, dtype)
-                z[rank * per:(rank + 1) * per] = mk(per, rank)
-                got = comm.allgather(z, inplace=True)
-            else:
-                got = comm.allgather(mk(per, rank))
-            return _wrong(dt.to_float64(got), exp())
-    elif op == "reduce_scatter":
-        x, y = mk(count, rank), np.empty(per, dtype)
-        b["ours_oop"] = lambda: comm.reduce_scatter(x, redop, out=y)
-        b["ours_ip"] = lambda: comm.reduce_scatter(x, redop, inplace=True)
-        b["raw_oop"] = lambda: m.Reduce_scatter_block([x, t], [y, t], mop)
-        b["raw_ip"] = lambda: m.Reduce_scatter_block(IP, [x, t], mop)
-
-        def check(inplace):
-            got = comm.reduce_scatter(mk(count, rank), redop, inplace=inplace)
-            full = _expected_reduce(size, count, 0, redop)
-            return _wrong(dt.to_float64(got), full[rank * per:(rank + 1) * per])
-    elif op == "alltoall":
-        x, y = mk(count, rank), np.empty(count, dtype)
-        b["ours_oop"] = lambda: comm.alltoall(x, out=y)
-        b["ours_ip"] = lambda: comm.alltoall(y, inplace=True)
-        b["raw_oop"] = lambda: m.Alltoall([x, t], [y, t])
-        b["raw_ip"] = lambda: m.Alltoall(IP, [y, t])
-
-        def check(inplace):
-            src = dt.from_float64(np.concatenate([_values(per, 100 * rank + j)
-                                                  for j in range(size)]), dtype)
-            got = comm.alltoall(src, inplace=inplace)
-            exp = np.concatenate([_values(per, 100 * j + rank) for j in range(size)])
-            return _wrong(dt.to_float64(got), exp)
-    else:
+    if op not in _OPS:
         raise ValueError(op)
-    b["check"] = check
+    calls, check = _OPS[op]
+    c = _Case(comm, op, nbytes, dname, redop, root)
+    b: dict[str, Any] = {"count": c.count, "nbytes": c.count * c.dtype.itemsize}
+    b.update(calls(c))
+    b["check"] = lambda inplace: check(c, inplace)
     return b
 
 
@@ -273,70 +313,129 @@ def _wrong(got, expected) -> int:
     return int(np.count_nonzero(got != expected))
 
 
-def run_collective(comm, args, op: str, timer: Timer) -> list[dict]:
+def _time_rounds(timer: Timer, fns: list[tuple[str, Callable[[], Any]]], args,
+                 alternate: bool) -> dict[str, list[float]]:
+    """Each (key, fn)'s time per round, over ``--rounds`` rounds; ``alternate``: every
+    other round runs them in the reverse order."""
+    took: dict[str, list[float]] = {}
+    for rnd in range(max(1, args.rounds)):
+        for key, fn in (fns if not alternate or rnd % 2 == 0 else fns[::-1]):
+            sec = timer(fn, max(1, args.warmup_iters), args.iters, args.min_time)
+            took.setdefault(key, []).append(sec)
+    return took
+
+
+def _bound_columns(row: dict, best: dict[str, float], nbytes: int, n: int) -> None:
+    """--bound: memcpy's rate and the fraction of the memory bound each variant reaches."""
+    # Traffic per rank under the accounting above, at memcpy's rate (2N per copy).
+    need = (2 + (n - 1) / n) * nbytes
+    rate = 2 * nbytes / best["memcpy"]
+    row["memcpy_GBps"] = nbytes / best["memcpy"] / 1e9
+    row["bound_us"] = need / rate * 1e6
+    for v in ("oop", "ip"):
+        row[f"{v}_bound_frac"] = row["bound_us"] / (best[f"ours_{v}"] * 1e6)
+        if f"raw_{v}" in best:  # raw MPI's own fraction: how close it is already
+            row[f"raw_{v}_bound_frac"] = row["bound_us"] / (best[f"raw_{v}"] * 1e6)
+
+
+def _variant_columns(row: dict, best: dict[str, float], variant: str, nbytes: int,
+                     factor: float, wrong: int, baseline: bool) -> None:
+    """Time, algbw and busbw of ours (and raw's) for ``variant`` (oop or ip), #wrong, ratio."""
+    for who in ("ours", "raw"):
+        key = f"{who}_{variant}"
+        if key not in best:
+            continue
+        sec = best[key]
+        algbw = nbytes / sec / 1e9 if sec > 0 else 0.0
+        prefix = "" if who == "ours" else "raw_"
+        row[f"{prefix}{variant}_time_us"] = sec * 1e6
+        row[f"{prefix}{variant}_algbw"] = algbw
+        row[f"{prefix}{variant}_busbw"] = algbw * factor
+    row[f"{variant}_wrong"] = wrong
+    if baseline:
+        raw = row.get(f"raw_{variant}_time_us", 0.0)
+        ours = row.get(f"{variant}_time_us", 0.0)
+        row[f"{variant}_ratio"] = raw / ours if ours > 0 else 0.0
+
+
+def _count_wrong(comm, check: Callable[[bool], int], inplace: bool) -> int:
+    """Wrong elements over all ranks in one checked run."""
     import numpy as np
     from ._mpi import MPI
+    w = np.array([check(inplace)], dtype=np.int64)
+    comm.mpi.Allreduce(MPI.IN_PLACE, w, op=MPI.SUM)
+    return int(w[0])
+
+
+def run_collective(comm, args, op: str, timer: Timer) -> list[dict]:
+    import numpy as np
     dname = DTYPE_NAMES[args.datatype]
     rows = []
     n = comm.size
     for nbytes in sizes(args):
-        redop = args.redop if op in ("allreduce", "reduce_scatter", "reduce") else "none"
+        redop = args.redop if op in _REDUCING else "none"
         if redop == "avg" and dname.startswith("int"):
             redop = "sum"
         b = build(comm, op, nbytes, dname, redop if redop != "none" else "sum", args.root)
         row: dict[str, Any] = {
             "op": op, "size": b["nbytes"], "count": b["count"], "type": dname, "redop": redop,
             "root": args.root if op in ("broadcast", "reduce") else -1, "nranks": n}
-        took: dict[str, list] = {}
         keys = ["ours_oop", "raw_oop", "ours_ip", "raw_ip"]
         if args.bound and op == "allreduce":
             src, dst = np.ones(b["nbytes"], np.uint8), np.zeros(b["nbytes"], np.uint8)
             b["memcpy"] = lambda: np.copyto(dst, src)
             keys.append("memcpy")
-        for rnd in range(max(1, args.rounds)):
-            for key in (keys if rnd % 2 == 0 else keys[::-1]):
-                if key.startswith("raw") and not args.baseline:
-                    continue
-                sec = timer(b[key], max(1, args.warmup_iters), args.iters, args.min_time)
-                took.setdefault(key, []).append(sec)
+        fns = [(k, b[k]) for k in keys if args.baseline or not k.startswith("raw")]
+        took = _time_rounds(timer, fns, args, alternate=True)
         best = {k: (min(v) if args.stat == "best" else float(np.median(v))) for k, v in took.items()}
         if op == "allreduce":
             row["oop_path"] = comm.allreduce_path(b["nbytes"])
             row["ip_path"] = comm.allreduce_path(b["nbytes"], inplace=True)
         if "memcpy" in best and b["nbytes"]:
-            # Traffic per rank under the accounting above, at memcpy's rate (2N per copy).
-            need = (2 + (n - 1) / n) * b["nbytes"]
-            rate = 2 * b["nbytes"] / best["memcpy"]
-            row["memcpy_GBps"] = b["nbytes"] / best["memcpy"] / 1e9
-            row["bound_us"] = need / rate * 1e6
-            for v in ("oop", "ip"):
-                row[f"{v}_bound_frac"] = row["bound_us"] / (best[f"ours_{v}"] * 1e6)
-                if f"raw_{v}" in best:  # raw MPI's own fraction: how close it is already
-                    row[f"raw_{v}_bound_frac"] = row["bound_us"] / (best[f"raw_{v}"] * 1e6)
+            _bound_columns(row, best, b["nbytes"], n)
         factor = BUSBW_FACTOR[op](n) if n > 1 else 0.0
         for variant in ("oop", "ip"):
-            wrong = -1
-            if args.check:
-                w = np.array([b["check"](variant == "ip")], dtype=np.int64)
-                comm.mpi.Allreduce(MPI.IN_PLACE, w, op=MPI.SUM)
-                wrong = int(w[0])
-            for who in ("ours", "raw"):
-                key = f"{who}_{variant}"
-                if key not in best:
-                    continue
-                sec = best[key]
-                algbw = b["nbytes"] / sec / 1e9 if sec > 0 else 0.0
-                prefix = "" if who == "ours" else "raw_"
-                row[f"{prefix}{variant}_time_us"] = sec * 1e6
-                row[f"{prefix}{variant}_algbw"] = algbw
-                row[f"{prefix}{variant}_busbw"] = algbw * factor
-            row[f"{variant}_wrong"] = wrong
-            if args.baseline:
-                raw = row.get(f"raw_{variant}_time_us", 0.0)
-                ours = row.get(f"{variant}_time_us", 0.0)
-                row[f"{variant}_ratio"] = raw / ours if ours > 0 else 0.0
+            wrong = _count_wrong(comm, b["check"], variant == "ip") if args.check else -1
+            _variant_columns(row, best, variant, b["nbytes"], factor, wrong, args.baseline)
         rows.append(row)
     return rows
+
+
+def _grouped_fns(comm, args, arrays: list, dtype, total: int) -> list[tuple[str, Callable]]:
+    """The timed calls of -o grouped: fused, separate, and raw MPI's separate (--baseline)
+    and memcpy of the group's bytes (--bound)."""
+    import numpy as np
+
+    from . import dtypes as dt
+
+    def separate():
+        for a in arrays:
+            comm.allreduce(a, inplace=True)
+    fused = lambda: comm.grouped_allreduce(arrays)  # noqa: E731
+    fns = [("fused", fused), ("separate", separate)]
+    if args.baseline:
+        # What a user without dtrun writes: one MPI_Allreduce in place per array.
+        from ._mpi import MPI
+        mop, t = dt.mpi_op(dtype, "sum"), dt.mpi_type(dtype)
+
+        def raw_separate():
+            for a in arrays:
+                comm.mpi.Allreduce(MPI.IN_PLACE, [a, t], mop)
+        fns.append(("raw_separate", raw_separate))
+    if args.bound:
+        # memcpy of the whole group's bytes on every rank at once (see --bound).
+        src, dst = np.ones(total, np.uint8), np.zeros(total, np.uint8)
+        fns.append(("memcpy", lambda: np.copyto(dst, src)))
+    return fns
+
+
+def _grouped_wrong(comm, count: int, dtype) -> int:
+    """Wrong elements on this rank after one grouped_allreduce of 8 fresh arrays."""
+    from . import dtypes as dt
+    fresh = [dt.from_float64(_values(count, comm.rank), dtype) for _ in range(8)]
+    comm.grouped_allreduce(fresh)
+    exp = sum(_values(count, k) for k in range(comm.size))
+    return sum(_wrong(dt.to_float64(a), exp) for a in fresh)
 
 
 def run_grouped(comm, args, timer: Timer) -> list[dict]:
@@ -350,56 +449,29 @@ def run_grouped(comm, args, timer: Timer) -> list[dict]:
     for nbytes in sizes(args):
         count = max(1, nbytes // dtype.itemsize)
         arrays = [dt.from_float64(_values(count, comm.rank), dtype) for _ in range(args.tensors)]
-
-        def separate():
-            for a in arrays:
-                comm.allreduce(a, inplace=True)
-        fused = lambda: comm.grouped_allreduce(arrays)  # noqa: E731
-        fns = [("fused", fused), ("separate", separate)]
-        if args.baseline:
-            # What a user without dtrun writes: one MPI_Allreduce in place per array.
-            from ._mpi import MPI
-            mop, t = dt.mpi_op(dtype, "sum"), dt.mpi_type(dtype)
-
-            def raw_separate():
-                for a in arrays:
-                    comm.mpi.Allreduce(MPI.IN_PLACE, [a, t], mop)
-            fns.append(("raw_separate", raw_separate))
         total = count * dtype.itemsize * args.tensors
-        if args.bound:
-            # memcpy of the whole group's bytes on every rank at once (see --bound).
-            src, dst = np.ones(total, np.uint8), np.zeros(total, np.uint8)
-            fns.append(("memcpy", lambda: np.copyto(dst, src)))
-        best: dict[str, float] = {}
-        for _ in range(max(1, args.rounds)):
-            for key, fn in fns:
-                sec = timer(fn, max(1, args.warmup_iters), args.iters, args.min_time)
-                best[key] = min(best.get(key, sec), sec)
-        wrong = 0
-        if args.check:
-            fresh = [dt.from_float64(_values(count, comm.rank), dtype) for _ in range(8)]
-            comm.grouped_allreduce(fresh)
-            exp = sum(_values(count, k) for k in range(comm.size))
-            wrong = sum(_wrong(dt.to_float64(a), exp) for a in fresh)
+        fns = _grouped_fns(comm, args, arrays, dtype, total)
+        best = {k: min(v) for k, v in _time_rounds(timer, fns, args, alternate=False).items()}
+        wrong = _grouped_wrong(comm, count, dtype) if args.check else 0
         factor = BUSBW_FACTOR["grouped"](comm.size) if comm.size > 1 else 0.0
-        rows.append({
+        row = {
             "op": "grouped", "size": count * dtype.itemsize, "count": count,
             "tensors": args.tensors, "type": dname, "nranks": comm.size,
             "fused_time_us": best["fused"] * 1e6, "separate_time_us": best["separate"] * 1e6,
             "fused_busbw": total / best["fused"] / 1e9 * factor,
-            "speedup": best["separate"] / best["fused"], "wrong": wrong})
+            "speedup": best["separate"] / best["fused"], "wrong": wrong}
         if "raw_separate" in best:
-            rows[-1]["raw_separate_time_us"] = best["raw_separate"] * 1e6
-            rows[-1]["raw_speedup"] = best["raw_separate"] / best["fused"]
+            row["raw_separate_time_us"] = best["raw_separate"] * 1e6
+            row["raw_speedup"] = best["raw_separate"] / best["fused"]
         if "memcpy" in best:
             # The allreduce's memory bound for the whole group (the accounting of --bound),
             # and the fusion ratio a fused call at that bound would reach: the most
             # fusion can give once separate calls are this fast.
             n = comm.size
             bound = (2 + (n - 1) / n) * total / (2 * total / best["memcpy"])
-            rows[-1]["bound_us"] = bound * 1e6
-            rows[-1]["bound_frac"] = bound / best["fused"]
-            rows[-1]["speedup_at_bound"] = best["separate"] / bound
+            row.update(bound_us=bound * 1e6, bound_frac=bound / best["fused"],
+                       speedup_at_bound=best["separate"] / bound)
+        rows.append(row)
     return rows
 
 

@@ -14,7 +14,7 @@ What is checked, and when:
 * always, across ranks (unless ``DTRUN_CHECK=0``): each collective's signature
   (operation, dtype, element count, reduction op, root, allreduce path; for
   grouped_allreduce the number of arrays and each one's dtype and count), carried in
-  the first exchange every path makes (signature.py): beside the counter of the
+  the first exchange every path makes (signature.py, sigcheck.py): beside the counter of the
   compiled engine's first synchronisation on one host (free for the shm1/shm2 paths;
   one shared-memory synchronisation before any other path, so a rank on another path
   meets it), else one 48-byte MPI allreduce before the call. Ranks that disagree all
@@ -24,28 +24,34 @@ What is checked, and when:
 * with ``DTRUN_CHECK=1`` (or ``Comm(check=True)``): before each collective the
   ranks also allgather (operation, dtype, element count, op, root) and every rank raises
   ``MismatchError`` naming the ranks that disagree (a whole extra collective per call).
+
+The parts of a communicator live beside it: ``topology`` (hosts and local ranks),
+``transport`` (shared memory, rings, the compiled engine, the path per size),
+``fusion`` (grouped_allreduce's plans), ``sigcheck`` (the signature exchange) and
+``recorder`` (the flight recorder).
 """
 
 from __future__ import annotations
 
 import operator
 import os
-import socket
 from typing import Any, Sequence
 
 import numpy as np
 
 from . import dtypes as _dt
+from . import fusion as _fusion
+from . import recorder as _rec
+from . import signature as _sig
+from . import sigcheck as _sc
+from . import topology as _topology
+from . import transport as _transport
+from . import tuning as _tuning
 from ._mpi import MPI
 from .errors import (CollectiveError, MismatchError, MPIError, NotContiguousError,
                      OverlapError, ReadOnlyError, ShapeError, UnsupportedDtypeError)
-from . import recorder as _rec
-from . import signature as _sig
 from .handle import Handle
-from . import tuning as _tuning
-from .ring import Ring
 from . import shm1 as _shm1
-from .shm import SINGLE_STEP_MAX, ShmReducer
 from .sizes import env_bytes
 
 SUM, PROD, MIN, MAX, AVG = _dt.SUM, _dt.PROD, _dt.MIN, _dt.MAX, _dt.AVG
@@ -53,24 +59,9 @@ IN_PLACE = MPI.IN_PLACE
 ANY_SOURCE = MPI.ANY_SOURCE
 ANY_TAG = MPI.ANY_TAG
 
-DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
-# grouped_allreduce: an array this large is reduced on its own, in place (packing it
-# costs two copies and saves a per-call overhead it does not notice), and fused buffers
-# stay at most SINGLE_STEP_MAX, so they are packed straight into shared memory and stay
-# in cache (a 64 MiB buffer ran 4x slower than its 4 arrays reduced one by one).
-FUSE_ALONE_BYTES = 1 << 20
-DEFAULT_SHM_THRESHOLD = 256 * 1024
-DEFAULT_SHM_CHUNK = 512 * 1024  # fits in L2/L3 between copy-in, reduce and copy-out
-
-_OP_CODES = {name: i for i, name in enumerate(
-    ["allreduce", "reduce", "broadcast", "scatter", "gather", "allgather", "gatherv",
-     "allgatherv", "reduce_scatter", "alltoall", "barrier", "grouped_allreduce"])}
-_REDOP_CODES = {None: 0, SUM: 1, PROD: 2, MIN: 3, MAX: 4, AVG: 5}
-_REC_MASK = _rec.MASK
-_INSIDE = _rec.INSIDE_WORD
+# Module globals for the allreduce hot path (one dict lookup each).
+_INSIDE, _PATH_BITS = _rec.INSIDE_WORD, _transport.PATH_BITS
 _REC_COUNT_MAX = (1 << _rec.COUNT_BITS) - 1
-# The process's first Comm over MPI.COMM_WORLD owns the flight recorder.
-_REC_TAKEN = [False]
 
 
 def _same_items(a: Sequence[Any], b: Sequence[Any]) -> bool:
@@ -84,41 +75,6 @@ def _env_flag(name: str) -> bool:
 
 def _env_off(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("0", "false", "no", "off")
-
-
-# Path bits of an allreduce signature, by path name.
-_PATH_BITS = {p: _sig.meta("allreduce", path=p) & ~_sig.meta("allreduce") for p in _tuning.PATHS}
-
-
-class _Checked:
-    """A non-blocking collective whose signature exchange (an ``Iallgather`` started just
-    before it) is checked before its own completion is waited for: a mismatch raises on
-    every rank's ``wait()``/``test()`` instead of waiting for data that never matches."""
-
-    __slots__ = ("comm", "sig_req", "table", "data", "op", "checked")
-
-    def __init__(self, comm, sig_req, table, data, op: str) -> None:
-        self.comm, self.sig_req, self.table, self.data, self.op = comm, sig_req, table, data, op
-        self.checked = False
-
-    def _verdict(self) -> None:
-        self.checked = True
-        t = self.table
-        if (t != t[0]).any():
-            raise self.comm._mismatch(self.op, t.tolist())
-
-    def Wait(self) -> None:  # noqa: N802
-        if not self.checked:
-            self.sig_req.Wait()
-            self._verdict()
-        self.data.Wait()
-
-    def Test(self) -> bool:  # noqa: N802
-        if not self.checked:
-            if not self.sig_req.Test():
-                return False
-            self._verdict()
-        return self.data.Test()
 
 
 class Comm:
@@ -158,89 +114,47 @@ class Comm:
                  shm: bool | None = None, node_comm: MPI.Intracomm | None = None,
                  shm_threshold: int | None = None, shm_chunk: int | None = None,
                  path: str | None = None, signatures: bool | None = None) -> None:
-        comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-        self.mpi = comm
-        self.rank = comm.Get_rank()
-        self.size = comm.Get_size()
-        self.host = MPI.Get_processor_name() or socket.gethostname()
-        if node_comm is None:
-            node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        self._node_comm = node_comm
-        self.local_rank = node_comm.Get_rank()
-        self.local_size = node_comm.Get_size()
-        # Node index: hosts ordered by their lowest rank. One small allgather at setup.
-        leader = np.array([self.rank], dtype=np.int64)
-        node_comm.Allreduce(IN_PLACE, leader, op=MPI.MIN)
-        info = np.array([leader[0], self.local_size], dtype=np.int64)
-        table = np.empty((self.size, 2), dtype=np.int64)
-        comm.Allgather(info, table)
-        leaders = sorted(set(int(v) for v in table[:, 0]))
-        self.node = leaders.index(int(leader[0]))
-        self.nnodes = len(leaders)
-        self._uniform_nodes = len(set(int(v) for v in table[:, 1])) == 1
-
+        self.mpi = comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        topo = self.topology = _topology.discover(comm, node_comm)
+        self.rank, self.size, self.host = topo.rank, topo.size, topo.host
+        self.local_rank, self.local_size = topo.local_rank, topo.local_size
+        self.node, self.nnodes = topo.node, topo.nnodes
+        self._node_comm, self._uniform_nodes = topo.node_comm, topo.uniform
         self._check = _env_flag("DTRUN_CHECK") if check is None else bool(check)
         self._sig_on = (not _env_off("DTRUN_CHECK")) if signatures is None else bool(signatures)
-        self._sigbuf = np.zeros(6, dtype=np.int64)  # [w0, w1, w2, -w0, -w1, -w2]
-        self._sigbase: dict[tuple, int] = {}
-        self._group_pending: Sequence[Any] | None = None  # grouped_allreduce's list, for messages
-        self.fusion_threshold = env_bytes("DTRUN_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)
+        self._sigs = _sc.Exchange(comm, self.rank, self.size, self.local_rank)
+        self.fusion_threshold = env_bytes("DTRUN_FUSION_THRESHOLD",
+                                          _fusion.DEFAULT_FUSION_THRESHOLD)
         use_shm = (os.environ.get("DTRUN_SHM", "1").strip() != "0") if shm is None else shm
-        self._shm: ShmReducer | None = None
-        self._cross_comm: MPI.Intracomm | None = None
-        self._cross_ring: Ring | None = None  # the inter-node step of "shm+ring"
-        self._ring: Ring | None = None        # "ring": all ranks, on a private Dup
-        if use_shm and self.local_size > 1 and (self.nnodes == 1 or self._uniform_nodes):
-            if self.nnodes > 1:
-                # Ranks with the same local rank on every host: the inter-node step.
-                self._cross_comm = comm.Split(self.local_rank, self.node)
-                self._cross_ring = Ring(self._cross_comm)
-            self._shm = ShmReducer(node_comm, self._cross_comm, DEFAULT_SHM_CHUNK)
-        if self.nnodes > 1:
-            self._ring = Ring(comm.Dup())
-        # The compiled engine (shm1.py): the one-step shared-memory path on one host, and
-        # the recorder's store. Its allreduce() falls back to this class's for what it
+        _transport.open_transports(self, use_shm)
+        # The compiled engine: its allreduce() falls back to this class's for what it
         # does not take.
-        self._engine = self._engine_win = None
+        _transport.open_engine(self, Comm.allreduce.__get__(self))
         # grouped_allreduce's plan check: the same arrays, in order (compiled: ~25x faster)
-        self._same_items = _shm1.same_items if _shm1.available() else _same_items
-        if _shm1.available():
-            node = node_comm if self._shm is not None and self.nnodes == 1 else None
-            self._engine, self._engine_win = _shm1.engine(node, Comm.allreduce.__get__(self))
-            if self._engine_win is not None:
-                self._engine.set_signature(
-                    tuple(_sig.meta("allreduce", name) for name in _shm1.TYPE_NAMES),
-                    _sig.REDOP_SHIFT, _sig.PATH_SHIFT, self._engine_mismatch)
-                self._engine.checking = int(self._sig_on)
+        self._plans = _fusion.Plans(_shm1.same_items if _shm1.available() else _same_items)
         self._opcache: dict[tuple[np.dtype, str], tuple] = {}
-        self._fusion_bufs: dict[np.dtype, np.ndarray] = {}
-        self._group_plans: dict[tuple, tuple] = {}
         self._gpu = None  # collectives.gpu.GpuContext, created on first GPU array
         self._error_ctx: dict[str, _MpiErrors] = {}
-        self._seq = 0
-        self._rec = None  # ring view of the flight recorder, when this Comm owns it
-        self._rec_map = None
-        self._hdr = None  # its header: word INSIDE_WORD is 1 while inside a blocking collective
-        self._paths = self._select_paths(use_shm, shm_threshold, shm_chunk, path)
-        self._rec_store = self._py_rec_store
-        if not _REC_TAKEN[0] and comm == MPI.COMM_WORLD:
-            ring = _rec.open_ring(self.rank)
-            if ring is not None:
-                _REC_TAKEN[0] = True
-                self._rec_map, self._rec = ring
-                self._hdr = _rec.header(self._rec_map)
-                if self._engine is not None:
-                    addr = np.frombuffer(self._rec, dtype=np.int64).ctypes.data
-                    descs = tuple(_rec.OP_BITS["allreduce"] | _rec.dtype_bits(name)
-                                  for name in _shm1.TYPE_NAMES)
-                    flag = np.frombuffer(self._hdr, dtype=np.int64).ctypes.data + 8 * _INSIDE
-                    self._engine.set_recorder(addr, _REC_MASK, descs, _REC_COUNT_MAX, flag)
-                    self._rec_store = self._engine.note
+        # The recorder first: the path table's calibration records its progress there.
+        self._open_recorder(comm == MPI.COMM_WORLD)
+        self._paths = _transport.select_paths(self, use_shm, shm_threshold, shm_chunk, path)
+        _transport.restart_recorder(self)
         if self._engine_win is not None:
-            self._fast_limits()
+            _transport.fast_limits(self)
             # The instance's allreduce is the engine's: NumPy calls it takes run in C with
             # no Python frame; the rest go to Comm.allreduce.
             self.allreduce = self._engine.allreduce
+
+    def _open_recorder(self, world: bool) -> None:
+        """The flight recorder, when this is the process's first Comm over COMM_WORLD
+        under dtrun: ``_rec`` its ring, ``_hdr`` its header (word INSIDE_WORD is 1 while
+        inside a blocking collective), ``_rec_store`` the store to call."""
+        self._rec = self._rec_map = self._hdr = self._rec_store = self._py_rec_store = None
+        rec = _rec.OWNER.claim(self.rank) if world else None
+        if rec is not None:
+            self._rec_map, self._rec, self._hdr = rec.map, rec.ring, rec.header
+            self._py_rec_store = rec.store
+            self._rec_store = _transport.attach_recorder(self._engine, rec)
 
     @property
     def check(self) -> bool:
@@ -250,7 +164,7 @@ class Comm:
     @check.setter
     def check(self, value: bool) -> None:
         self._check = bool(value)
-        self._fast_limits()
+        _transport.fast_limits(self)
 
     @property
     def signatures(self) -> bool:
@@ -264,92 +178,10 @@ class Comm:
         if self._engine is not None and self._engine_win is not None:
             self._engine.checking = int(self._sig_on)
 
-    def _fast_limits(self) -> None:
-        """The sizes the compiled allreduce takes without entering Python: those below the
-        first size whose path is neither shm1 nor shm2 (none in DTRUN_CHECK mode, which
-        Python does)."""
-        eng = getattr(self, "_engine", None)
-        if eng is None or self._engine_win is None:
-            return
-        if self._check:
-            eng.set_fast((), ())
-        else:
-            eng.set_fast(*(self._paths.compiled_rows(ip) for ip in (False, True)))
-
-    def _select_paths(self, use_shm: bool, shm_threshold: int | None,
-                      shm_chunk: int | None, path: str | None) -> "_tuning.Table":
-        """The allreduce path table (collective when it measures): see tuning.py."""
-        env = os.environ
-        tune = env.get("DTRUN_TUNE", "1").strip().lower() or "1"
-        if tune not in ("0", "1", "refresh"):  # the same on every rank: dtrun forwards the environment
-            raise ValueError(f"DTRUN_TUNE={tune!r}: use 1 (measure, cached), 0 (the fixed rule) or refresh")
-        _tuning.max_load()  # checked on every rank here: only rank 0 reads it, and must not fail alone
-        cands = _tuning.candidates(self._shm is not None, self.nnodes, self._uniform_nodes,
-                                   self.local_size, compiled=self._engine_win is not None)
-        if self.size == 1 or len(cands) == 1:
-            why = ("one rank" if self.size == 1 else "DTRUN_SHM=0" if not use_shm else
-                   "no shared-memory peers on this host" if self.local_size == 1 else
-                   "hosts with different rank counts")
-            return _tuning.Table.fixed("mpi", 0, 0, f"only mpi applies ({why})")
-        shm_path = "shm+hierarchical" if self._cross_comm is not None else "shm"
-        forced = path or env.get("DTRUN_ALLREDUCE_PATH", "").strip()
-        if forced:
-            origin = f"path={forced!r}" if path else f"env DTRUN_ALLREDUCE_PATH={forced}"
-            valid = {p for p, _ in cands}
-            if forced not in valid:
-                raise ValueError(f"{origin}: this layout offers {', '.join(sorted(valid))}")
-            chunk = env_bytes("DTRUN_SHM_CHUNK", DEFAULT_SHM_CHUNK) if shm_chunk is None \
-                else int(shm_chunk)
-            return _tuning.Table.fixed(forced, 0, chunk, origin)
-        env_t, env_c = env.get("DTRUN_SHM_THRESHOLD", "").strip(), env.get("DTRUN_SHM_CHUNK", "").strip()
-        if shm_threshold is not None or shm_chunk is not None or env_t or env_c or tune == "0":
-            threshold = (env_bytes("DTRUN_SHM_THRESHOLD", DEFAULT_SHM_THRESHOLD)
-                         if shm_threshold is None else int(shm_threshold))
-            chunk = env_bytes("DTRUN_SHM_CHUNK", DEFAULT_SHM_CHUNK) if shm_chunk is None \
-                else int(shm_chunk)
-            given = [name for name, v in (("shm_threshold", shm_threshold), ("shm_chunk", shm_chunk))
-                     if v is not None]
-            given += [f"env {name}={v}" for name, v in (("DTRUN_SHM_THRESHOLD", env_t),
-                                                        ("DTRUN_SHM_CHUNK", env_c)) if v]
-            source = ", ".join(given) if given else "built-in default (DTRUN_TUNE=0)"
-            if self._shm is None:  # the rule is about shared memory, which does not apply
-                return _tuning.Table.fixed("mpi", 0, 0, f"{source} (no shared memory here)")
-            return _tuning.Table.fixed(shm_path, threshold, chunk, source)
-        return _tuning.calibrated(self.mpi, self.host, self.local_size, self.nnodes, cands,
-                                  self._calibration_run, refresh=tune == "refresh")
-
     def _calibration_run(self, cand: tuple[str, int], src: np.ndarray, dst: np.ndarray,
                          inplace: bool) -> None:
-        """One float32 sum allreduce of ``src`` into ``dst`` along candidate path ``cand``."""
-        t, mop, kern, finish, _, _ = self._redop(src, SUM, "allreduce")
-        # Timed with the signature it carries in use, as every call pays it.
-        sig = (self._sig_meta(src.dtype, SUM) | _PATH_BITS[cand[0]], src.size, 0) \
-            if self._sig_on else None
-        self._via(cand[0], cand[1], src, dst, inplace, t, mop, kern, finish, SUM, sig)
-
-    def _via(self, path: str, chunk: int, src: np.ndarray, dst: np.ndarray, inplace: bool,
-             t, mop, kern, finish, canon: str, sig: tuple | None = None) -> None:
-        """Allreduce ``src`` into ``dst`` (the same array when ``inplace``) along ``path``;
-        ``sig``: the signature the first exchange carries (None: no check)."""
-        if path == "shm1" or path == "shm2":
-            # The compiled engine, whose first synchronisation carries the signature; a
-            # dtype it does not reduce (float16, bfloat16, complex) takes the Python
-            # shared-memory path after the same check (a rank of another dtype may be in
-            # the engine: it meets this one there).
-            if self._engine.reduce(src, dst, canon, path == "shm2", sig):
-                return
-            path, chunk = "shm", DEFAULT_SHM_CHUNK
-        if sig is not None:
-            self._light(sig, "allreduce")
-        if path == "mpi":
-            self.mpi.Allreduce(IN_PLACE if inplace else [src, t], [dst, t], mop)
-            if finish is not None:
-                finish(dst)
-        elif path == "ring":
-            self._ring.allreduce(src, dst, kern, finish)
-        else:  # shm, shm+hierarchical, shm+ring
-            self._shm.allreduce(src, dst, kern, t, mop, finish, chunk,
-                                self._cross_ring if path == "shm+ring" else None)
+        """One float32 sum allreduce along candidate path ``cand`` (transport.py)."""
+        _transport.calibration_run(self, cand, src, dst, inplace)
 
     # ------------------------------------------------------------------ helpers
     def __repr__(self) -> str:
@@ -446,141 +278,6 @@ class Comm:
                             f"evenly; pad to a multiple of {self.size}")
         return n // self.size
 
-    def _signature(self, opname: str, x: np.ndarray | None, redop: str | None = None,
-                   root: int = -1) -> None:
-        """DTRUN_CHECK mode: all ranks compare what they are about to call."""
-        sig = np.array([
-            _OP_CODES.get(opname, 99),
-            -1 if x is None else x.dtype.num * 1000 + x.dtype.itemsize,
-            -1 if x is None else x.size,
-            _REDOP_CODES.get(_dt.OP_ALIASES.get(str(redop).lower()) if redop else None, 9),
-            root,
-        ], dtype=np.int64)
-        table = np.empty((self.size, sig.size), dtype=np.int64)
-        self.mpi.Allgather(sig, table)
-        fields = ["operation", "dtype", "element count", "reduction op", "root"]
-        diffs = []
-        for i, name in enumerate(fields):
-            col = table[:, i]
-            if (col != col[0]).any():
-                if name == "element count" and opname in ("gatherv", "allgatherv"):
-                    continue
-                if x is None and name in ("dtype", "element count"):
-                    continue
-                detail = ", ".join(f"rank {k}: {self._describe(name, int(v))}"
-                                   for k, v in enumerate(col))
-                diffs.append(f"{name} differs ({detail})")
-        if diffs:
-            rows = []
-            for k in range(self.size):
-                kind, dtype, count, redop, at = (self._describe(f, int(v)) for f, v in
-                                                 zip(fields, table[k]))
-                rows.append((_sig.meta(kind if kind in _sig.KINDS else "allreduce",
-                                       None if x is None else dtype,
-                                       redop if redop in _sig.REDOPS else None, None,
-                                       int(table[k, 4])), int(table[k, 2]), 0))
-            raise self._err(MismatchError, opname, "; ".join(diffs) + " — " + _sig.explain(rows))
-
-    def _full_words(self, opname: str, words: tuple) -> None:
-        """DTRUN_CHECK mode for a signature in words (grouped_allreduce): allgather every
-        rank's and raise MismatchError on every rank when any differs."""
-        mine = np.array(words, dtype=np.int64)
-        table = np.empty((self.size, 3), dtype=np.int64)
-        self.mpi.Allgather(mine, table)
-        if (table != table[0]).any():
-            raise self._mismatch(opname, table.tolist())
-
-    @staticmethod
-    def _describe(field: str, value: int) -> str:
-        if field == "operation":
-            return next((k for k, v in _OP_CODES.items() if v == value), str(value))
-        if field == "dtype" and value >= 0:
-            num, size = divmod(value, 1000)
-            for d in _dt._MPI_TYPE:
-                if d.num == num and d.itemsize == size:
-                    return _dt.dtype_name(d)
-        if field == "reduction op":
-            return next((str(k) for k, v in _REDOP_CODES.items() if v == value), str(value))
-        return str(value)
-
-    def _sig_meta(self, dtype: np.dtype, canon: str | None, kind: str = "allreduce",
-                  root: int = -1) -> int:
-        """``w0`` of a signature (signature.py); cached per (kind, dtype, op, root)."""
-        key = (kind, dtype, canon, root)
-        w = self._sigbase.get(key)
-        if w is None:
-            w = self._sigbase[key] = _sig.meta(kind, None if dtype is None else
-                                              _dt.dtype_name(dtype), canon, None, root)
-        return w
-
-    def _light(self, words: tuple, opname: str) -> None:
-        """The signature check a path without its own carrier makes first: one
-        synchronisation of the compiled engine on one host (a rank whose call took the
-        engine meets it there), else a 48-byte MAX allreduce of the words and their
-        negations (all equal iff max == -max of the negations)."""
-        if self._engine_win is not None:
-            self._engine.check(words)
-            return
-        if self.size == 1:
-            return
-        w0, w1, w2 = words
-        buf = self._sigbuf
-        buf[:] = (w0, w1, w2, -w0, -w1, -w2)
-        self.mpi.Allreduce(IN_PLACE, buf, MPI.MAX)
-        if buf[0] != -buf[3] or buf[1] != -buf[4] or buf[2] != -buf[5]:
-            mine = np.array(words, dtype=np.int64)
-            table = np.empty((self.size, 3), dtype=np.int64)
-            self.mpi.Allgather(mine, table)
-            raise self._mismatch(opname, table.tolist())
-
-    def _sig_start(self, words: tuple) -> tuple:
-        """The non-blocking form: (request, table) of an Iallgather of the words."""
-        mine = np.array(words, dtype=np.int64)
-        table = np.empty((self.size, 3), dtype=np.int64)
-        return self.mpi.Iallgather(mine, table), table, mine
-
-    def _engine_mismatch(self, rows: list) -> None:
-        """The engine's callback when the ranks' signatures differ (one host: local ranks
-        are the communicator's ranks): raise MismatchError on this rank."""
-        kind = _sig.KINDS[(rows[self.local_rank][0] >> _sig.KIND_SHIFT) & 31] or "collective"
-        raise self._mismatch(kind, rows)
-
-    def _mismatch(self, opname: str, rows: list) -> MismatchError:
-        """MismatchError naming every rank's signature (``rows[rank]``); for lists of
-        grouped_allreduce arrays also the first array that differs (one more exchange,
-        which every rank makes: they all see the same rows)."""
-        text = ("ranks called with different arguments: " + _sig.explain(rows) +
-                "; every rank must make the same collective calls, in the same order, with "
-                "the same dtypes, element counts, ops and roots")
-        kinds = {(int(r[0]) >> _sig.KIND_SHIFT) & 31 for r in rows}
-        if kinds == {_sig.KINDS.index("grouped_allreduce")}:
-            text += self._first_group_difference()
-        return self._err(MismatchError, opname, text)
-
-    def _first_group_difference(self) -> str:
-        """Where the ranks' grouped_allreduce lists first differ (collective)."""
-        arrays = self._group_pending or []
-        mine = np.array([[_sig._DTYPE.get(_dt.dtype_name(a.dtype), 0), a.size] for a in arrays],
-                        dtype=np.int64).reshape(-1, 2)
-        lengths = np.empty(self.size, dtype=np.int64)
-        self.mpi.Allgather(np.array([len(mine)], dtype=np.int64), lengths)
-        table = np.empty((int(lengths.sum()), 2), dtype=np.int64)
-        counts = [int(v) * 2 for v in lengths]
-        displs = [sum(counts[:k]) for k in range(self.size)]
-        self.mpi.Allgatherv(mine, [table, (counts, displs), MPI.INT64_T])
-        starts = np.concatenate(([0], np.cumsum(lengths)))
-        lists = [table[starts[k]:starts[k + 1]] for k in range(self.size)]
-        for i in range(int(lengths.max()) if len(lengths) else 0):
-            cells = [tuple(lst[i]) if i < len(lst) else None for lst in lists]
-            if len(set(cells)) > 1:
-                def show(c):
-                    return "no such array" if c is None else \
-                        f"{c[1]} x {_sig._DTYPES[c[0]] if c[0] < len(_sig._DTYPES) else '?'}"
-                return (f"; first difference at array {i}: " +
-                        ", ".join(f"rank {k}: {show(c)}" for k, c in enumerate(cells)))
-        return ("; the arrays agree in dtype and count: the op or fusion_threshold "
-                "differs")
-
     def _note(self, opname: str, x: np.ndarray | None, redop: str | None = None,
               root: int = -1) -> None:
         """Flight recorder: this rank starts collective ``opname`` (collectives/recorder.py)."""
@@ -589,12 +286,16 @@ class Comm:
             desc |= _rec.dtype_bits(_dt.dtype_name(x.dtype)) | min(x.size, _REC_COUNT_MAX)
         self._rec_store(desc)
 
-    def _py_rec_store(self, desc: int) -> None:
-        """The recorder's store without the compiled engine: desc, then the sequence number."""
-        s = self._seq = self._seq + 1
-        i = (s & _REC_MASK) << 1
-        self._rec[i + 1] = desc
-        self._rec[i] = s
+    def _begin(self, x: np.ndarray, opname: str, kind: str, canon: str | None = None,
+               root: int = -1) -> MPI.Datatype:
+        """What every collective but allreduce's inlined path does first: validate ``x``
+        (returns its MPI datatype), DTRUN_CHECK's exchange, the recorder's entry."""
+        t = self._type(x, opname)
+        if self.check:
+            self._sigs.full(kind, x, canon, root)
+        if self._rec is not None:
+            self._note(kind, x, canon, root)
+        return t
 
     def _foreign(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Operations on non-NumPy arrays: torch CPU tensors, GPU arrays."""
@@ -652,9 +353,7 @@ class Comm:
     def free(self) -> None:
         """Release the shared-memory window (collective over the node) and the cached
         grouped_allreduce plans (which hold references to the arrays they cover)."""
-        for plan in self._group_plans.values():
-            self._free_plan(plan)
-        self._group_plans.clear()
+        self._plans.clear()
         if self._shm is not None:
             self._shm.free()
             self._shm = None
@@ -662,8 +361,8 @@ class Comm:
             self.__dict__.pop("allreduce", None)  # back to Comm.allreduce (breaks the cycle)
             self._engine.set_fast((), ())  # a bound method kept from before falls back too
             _shm1.free(self._engine_win)
-            self._engine_win = None
-            if self._rec_store != self._engine.note:
+            self._engine_win = self._sigs.engine = None
+            if self._rec_store != self._engine.note:  # else it still writes the recorder
                 self._engine = None
         self._paths = _tuning.Table.fixed("mpi", 0, 0, "freed")
 
@@ -691,7 +390,7 @@ class Comm:
             h[_INSIDE] = 1
         try:
             if sig is not None and self._sig_on:
-                self._light(sig, opname)
+                self._sigs.light(sig, opname)
             try:
                 getattr(self.mpi, call)(*args)
             except MPI.Exception as e:  # the one translation for every collective (hot path: no `with`)
@@ -713,10 +412,10 @@ class Comm:
         with self._errors(opname):
             checked = sig is not None and self._sig_on and self.size > 1
             if checked:
-                sig_req, table, mine = self._sig_start(sig)
+                sig_req, table, mine = self._sigs.start(sig)
             request = getattr(self.mpi, _NONBLOCKING[call])(*args)
         if checked:
-            request = _Checked(self, sig_req, table, request, opname)
+            request = _sc.Checked(self._sigs, sig_req, table, request, opname)
             keep = (keep, mine)
         return Handle(request, result, post, keep=keep, op=opname)
 
@@ -770,7 +469,7 @@ class Comm:
     # blocking form runs that description with ``_run``, the ``i…`` form with ``_start``.
     def barrier(self) -> None:
         if self.check:
-            self._signature("barrier", None)
+            self._sigs.full("barrier", None)
         if self._rec is not None:
             self._note("barrier", None)
         h = self._hdr
@@ -778,7 +477,7 @@ class Comm:
             h[_INSIDE] = 1
         try:
             if self._sig_on:
-                self._light((_sig.meta("barrier"), 0, 0), "barrier")
+                self._sigs.light((_sig.meta("barrier"), 0, 0), "barrier")
             with self._errors("barrier"):
                 self.mpi.Barrier()
         finally:
@@ -791,13 +490,18 @@ class Comm:
         if self._engine is not None:
             self._engine.timing = int(bool(on))
 
-    def allreduce(self, x: Any, op: str = SUM, out: Any = None, inplace: bool = False) -> Any:
+    def allreduce(self, x: Any, op: str = SUM, out: Any = None, inplace: bool = False,
+                  _xp: Any = np, _sig: Any = True) -> Any:
         """Reduce ``x`` over all ranks with ``op`` (sum, prod, min, max, avg); every rank
-        gets the result. Returns a new array, or ``out``, or ``x`` when ``inplace``."""
-        if type(x) is not np.ndarray:
+        gets the result. Returns a new array, or ``out``, or ``x`` when ``inplace``.
+
+        The one blocking allreduce (also ``_allreduce``): ``_xp`` is the module of ``x``
+        (cupy, for a CUDA-aware MPI); ``_sig`` the signature its first exchange carries:
+        True, its own; None, none (grouped_allreduce steps after the first); or words."""
+        if type(x) is not np.ndarray and _xp is np:
             return self._foreign("allreduce", x, op=op, out=out, inplace=inplace)
-        # The NumPy case, flattened into one function: at 8 bytes each Python call level
-        # costs about 5 % of an MPI_Allreduce (what _allreduce_op + _run do, inlined).
+        # One Python frame for the NumPy case: at 8 bytes each call level costs about
+        # 5 % of an MPI_Allreduce.
         try:
             t, mop, kern, finish, canon, rbits = self._opcache[(x.dtype, op)]
         except (KeyError, TypeError):
@@ -805,91 +509,69 @@ class Comm:
         if not x.flags.c_contiguous:
             self._type(x, "allreduce")
         if self.check:
-            self._signature("allreduce", x, canon)
+            self._sigs.full("allreduce", x, canon)
         if self._rec is not None:  # flight recorder
             self._rec_store(rbits | min(x.size, _REC_COUNT_MAX))
         if inplace or out is x:
-            if not x.flags.writeable:
+            if _xp is np and not x.flags.writeable:
                 self._writable(x, "allreduce")
             out, send = x, IN_PLACE
-        elif out is None:
+        elif out is None and _xp is np:
             out, send = np.empty(x.shape, x.dtype), [x, t]
         else:
-            if type(out) is not np.ndarray or out.dtype != x.dtype or out.shape != x.shape \
-                    or not out.flags.c_contiguous:
-                out = self._out(x, out, x.shape, "allreduce")  # raises, or a valid foreign out
-            elif not out.flags.writeable:
-                self._writable(out, "allreduce", "out")
-            else:
-                self._no_overlap(x, out, "allreduce")
-            send = [x, t]
-        paths = self._paths
-        h = self._hdr  # the recorder's flag, as in _run
+            out, send = self._given_out(x, out, _xp), [x, t]
+        h = self._hdr  # the recorder's flag: this rank is inside a collective (waiting, mostly)
         if h is not None:
             h[_INSIDE] = 1
         try:
-            if x.nbytes >= paths.floor:  # small messages: this one comparison
-                path, chunk = paths.pick(x.nbytes, send is IN_PLACE)
+            if x.nbytes >= self._paths.floor and _xp is np:  # small messages: this one comparison
+                path, chunk = self._paths.pick(x.nbytes, send is IN_PLACE)
                 if path != "mpi":
-                    sig = (self._sig_meta(x.dtype, canon) | _PATH_BITS[path], x.size, 0) \
-                        if self._sig_on else None
+                    if _sig is True:
+                        _sig = (self._sigs.meta(x.dtype, canon) | _PATH_BITS[path], x.size, 0) \
+                            if self._sig_on else None
                     with self._errors("allreduce"):
-                        self._via(path, chunk, x, out, send is IN_PLACE, t, mop, kern, finish,
-                                  canon, sig)
+                        _transport.via(self, path, chunk, x, out, send is IN_PLACE, t, mop, kern,
+                                       finish, canon, _sig)
                     return out
-            if self._sig_on:
-                self._light((self._sig_meta(x.dtype, canon) | _PATH_BITS["mpi"], x.size, 0),
-                            "allreduce")
+            if _sig is True:
+                _sig = (self._sigs.meta(x.dtype, canon) | _PATH_BITS["mpi"], x.size, 0) \
+                    if self._sig_on else None
+            if _sig is not None:
+                self._sigs.light(_sig, "allreduce")
             try:
                 self.mpi.Allreduce(send, [out, t], mop)
-            except MPI.Exception as e:
+            except MPI.Exception as e:  # the one translation (hot path: no `with`)
                 raise self._mpi_error("allreduce", e) from None
         finally:
             if h is not None:
                 h[_INSIDE] = 0
         if finish is not None:
-            finish(out)
+            (finish if _xp is np else self._finisher(finish, _xp))(out)
         return out
 
-    def _allreduce_op(self, x, op, out, inplace, xp, opname) -> "_Op":
-        t, mop, _, finish, canon, rbits = self._redop(x, op, opname)
-        if not x.flags.c_contiguous:
-            self._type(x, opname)
-        if self.check:
-            self._signature("allreduce", x, canon)
-        if self._rec is not None:  # flight recorder
-            self._rec_store(rbits | min(x.size, _REC_COUNT_MAX))
+    _allreduce = allreduce
+
+    def _given_out(self, x: Any, out: Any, xp: Any) -> Any:
+        """The ``out`` passed to allreduce, checked (one call level for a valid NumPy
+        one: it sits on the hot path); raises, or returns it."""
+        if xp is np and type(out) is np.ndarray and out.dtype == x.dtype and \
+                out.shape == x.shape and out.flags.c_contiguous:
+            if not out.flags.writeable:
+                self._writable(out, "allreduce", "out")
+            if out is not x and np.may_share_memory(x, out):
+                self._no_overlap(x, out, "allreduce")
+            return out
+        return self._out(x, out, x.shape, "allreduce", xp)  # raises, or a valid foreign out
+
+    def _dest(self, x: Any, out: Any, inplace: bool, xp: Any, opname: str, t) -> tuple:
+        """(result array, send argument) of a reduction that writes ``x``'s shape: ``x``
+        itself in place, else ``out`` checked or allocated."""
         if inplace or out is x:
             if xp is np:
                 self._writable(x, opname)
-            out, send = x, IN_PLACE
-        else:
-            out, send = self._out(x, out, x.shape, opname, xp), [x, t]
-        return ("Allreduce", (send, [out, t], mop), out,
-                finish if finish is None or xp is np else self._finisher(finish, xp))
-
-    def _allreduce(self, x, op, out, inplace, xp, sig: Any = True):
-        """``sig``: True: this call's own signature; None: none (a grouped_allreduce step
-        after the first, whose list every rank already compared); or the words to carry."""
-        c = self._allreduce_op(x, op, out, inplace, xp, "allreduce")
-        paths = self._paths
-        own = sig is True
-        if own and not self._sig_on:
-            sig = None
-        if x.nbytes >= paths.floor and xp is np:  # small messages: one comparison
-            out = c[2]
-            path, chunk = paths.pick(x.nbytes, out is x)
-            if path != "mpi":
-                t, mop, kern, finish, canon, _ = self._redop(x, op, "allreduce")  # cached
-                if own and sig is not None:
-                    sig = (self._sig_meta(x.dtype, canon) | _PATH_BITS[path], x.size, 0)
-                with self._errors("allreduce"):
-                    self._via(path, chunk, x, out, out is x, t, mop, kern, finish, canon, sig)
-                return out
-        if own and sig is not None:
-            canon = self._redop(x, op, "allreduce")[4]
-            sig = (self._sig_meta(x.dtype, canon) | _PATH_BITS["mpi"], x.size, 0)
-        return self._run("allreduce", c, sig)
+            return x, IN_PLACE
+        return self._out(x, out, x.shape, opname, xp), [x, t]
 
     def iallreduce(self, x: Any, op: str = SUM, out: Any = None, inplace: bool = False) -> Handle:
         """Non-blocking allreduce (MPI_Iallreduce); ``wait()`` returns the result."""
@@ -898,8 +580,12 @@ class Comm:
         return self._iallreduce(x, op, out, inplace, np)
 
     def _iallreduce(self, x, op, out, inplace, xp):
-        c = self._allreduce_op(x, op, out, inplace, xp, "iallreduce")
-        return self._start("iallreduce", c, x, self._words("allreduce", x, op))
+        t, mop, _, finish, canon, _ = self._redop(x, op, "iallreduce")
+        self._begin(x, "iallreduce", "allreduce", canon)
+        out, send = self._dest(x, out, inplace, xp, "iallreduce", t)
+        return self._start("iallreduce", ("Allreduce", (send, [out, t], mop), out,
+                                          self._finisher(finish, xp)),
+                           x, self._words("allreduce", x, op))
 
     def _words(self, kind: str, x: Any, op: str | None = None, root: int = -1,
                count: int | None = None) -> tuple | None:
@@ -908,7 +594,7 @@ class Comm:
             return None
         canon = _dt.OP_ALIASES.get(str(op).lower()) if op is not None else None
         dtype = None if x is None else x.dtype
-        return (self._sig_meta(dtype, canon, kind, root),
+        return (self._sigs.meta(dtype, canon, kind, root),
                 (0 if x is None else x.size) if count is None else count, 0)
 
     def reduce(self, x: Any, op: str = SUM, root: int = 0, out: Any = None,
@@ -920,19 +606,10 @@ class Comm:
 
     def _reduce_op(self, x, op, root, out, inplace, xp, opname) -> "_Op":
         t, mop, _, finish, canon, _ = self._redop(x, op, opname)
-        self._type(x, opname)
-        if self.check:
-            self._signature("reduce", x, canon, root)
-        if self._rec is not None:
-            self._note("reduce", x, canon, root)
+        self._begin(x, opname, "reduce", canon, root)
         if self.rank != root:
             return ("Reduce", ([x, t], None, mop, root), None, None)
-        if inplace or out is x:
-            if xp is np:
-                self._writable(x, opname)
-            out, send = x, IN_PLACE
-        else:
-            out, send = self._out(x, out, x.shape, opname, xp), [x, t]
+        out, send = self._dest(x, out, inplace, xp, opname, t)
         return ("Reduce", (send, [out, t], mop, root), out, self._finisher(finish, xp))
 
     def _reduce(self, x, op, root, out, inplace, xp):
@@ -955,11 +632,7 @@ class Comm:
         return self._broadcast(x, root, out, inplace, np)
 
     def _broadcast_op(self, x, root, out, inplace, xp, opname) -> "_Op":
-        t = self._type(x, opname)
-        if self.check:
-            self._signature("broadcast", x, None, root)
-        if self._rec is not None:
-            self._note("broadcast", x, None, root)
+        t = self._begin(x, opname, "broadcast", None, root)
         if not (inplace or out is x):
             # copyto handles overlapping memory, so an out overlapping x is still correct
             out = self._out(x, out, x.shape, opname, xp, overlap_ok=True)
@@ -1001,18 +674,14 @@ class Comm:
             if is_root or out is None or inplace:
                 raise self._err(ShapeError, "scatter", "x=None is allowed only on non-root "
                                 "ranks that pass out")
-            t = self._type(out, "scatter")
-            if self.check:
-                self._signature("scatter", out, None, root)
-            if self._rec is not None:
-                self._note("scatter", out, None, root)
+            t = self._begin(out, "scatter", "scatter", None, root)
             self._writable(out, "scatter", "out")
             return self._run("scatter", ("Scatter", (None, [out, t], root), out, None),
                              self._words("scatter", out, None, root))
         t = self._type(x, "scatter")
         rows = self._rows(x, "scatter")
         if self.check:
-            self._signature("scatter", x, None, root)
+            self._sigs.full("scatter", x, None, root)
         if self._rec is not None:
             self._note("scatter", x, None, root)
         part = x[self.rank * rows:(self.rank + 1) * rows]
@@ -1039,11 +708,7 @@ class Comm:
         return self._gather(x, root, out, inplace, np)
 
     def _gather(self, x, root, out, inplace, xp):
-        t = self._type(x, "gather")
-        if self.check:
-            self._signature("gather", x, None, root)
-        if self._rec is not None:
-            self._note("gather", x, None, root)
+        t = self._begin(x, "gather", "gather", None, root)
         is_root = self.rank == root
         if inplace:
             rows = self._rows(x, "gather")
@@ -1072,11 +737,7 @@ class Comm:
         return self._allgather(x, out, inplace, np)
 
     def _allgather_op(self, x, out, inplace, xp, opname) -> "_Op":
-        t = self._type(x, opname)
-        if self.check:
-            self._signature("allgather", x)
-        if self._rec is not None:
-            self._note("allgather", x)
+        t = self._begin(x, opname, "allgather")
         if inplace or out is x:
             self._rows(x, opname)
             if xp is np:
@@ -1110,14 +771,14 @@ class Comm:
         kind = "gatherv" if opname in ("gatherv", "igatherv") else "allgatherv"
         sig = np.array([x.shape[0] if x.ndim else 1, x.dtype.num * 1000 + x.dtype.itemsize,
                         hash(trailing) & 0x7FFFFFFFFFFF,
-                        self._sig_meta(None, None, kind, root)], dtype=np.int64)
+                        self._sigs.meta(None, None, kind, root)], dtype=np.int64)
         table = np.empty((self.size, 4), dtype=np.int64)
         self.mpi.Allgather(sig, table)
         if (table[:, 3] != table[0, 3]).any():
-            raise self._mismatch(opname, [[int(w), 0, 0] for w in table[:, 3]])
+            raise self._sigs.mismatch(opname, [[int(w), 0, 0] for w in table[:, 3]])
         bad = [k for k in range(self.size) if table[k, 1] != sig[1]]
         if bad:
-            kinds = ", ".join(f"rank {k}: {self._describe('dtype', int(table[k, 1]))}"
+            kinds = ", ".join(f"rank {k}: {_sc.describe('dtype', int(table[k, 1]))}"
                               for k in range(self.size))
             raise self._err(MismatchError, opname, f"dtypes differ across ranks ({kinds})")
         bad = [k for k in range(self.size) if table[k, 2] != table[0, 2]]
@@ -1143,11 +804,7 @@ class Comm:
         return self._allgatherv(x, out, np)
 
     def _allgatherv(self, x, out, xp):
-        t = self._type(x, "allgatherv")
-        if self.check:
-            self._signature("allgatherv", x)
-        if self._rec is not None:
-            self._note("allgatherv", x)
+        t = self._begin(x, "allgatherv", "allgatherv")
         rows, counts, displs = self._counts(x, "allgatherv")
         out = self._out(x, out, (sum(rows),) + tuple(x.shape[1:]), "allgatherv", xp)
         return self._run("allgatherv", ("Allgatherv", ([x, t], [out, (counts, displs), t]), out, None))
@@ -1159,11 +816,7 @@ class Comm:
         return self._gatherv(x, root, out, np)
 
     def _gatherv(self, x, root, out, xp):
-        t = self._type(x, "gatherv")
-        if self.check:
-            self._signature("gatherv", x, None, root)
-        if self._rec is not None:
-            self._note("gatherv", x, None, root)
+        t = self._begin(x, "gatherv", "gatherv", None, root)
         rows, counts, displs = self._counts(x, "gatherv", root)
         if self.rank != root:
             return self._run("gatherv", ("Gatherv", ([x, t], None, root), None, None))
@@ -1183,7 +836,7 @@ class Comm:
         self._type(x, opname)
         rows = self._rows(x, opname)
         if self.check:
-            self._signature("reduce_scatter", x, canon)
+            self._sigs.full("reduce_scatter", x, canon)
         if self._rec is not None:
             self._note("reduce_scatter", x, canon)
         if inplace:
@@ -1218,7 +871,7 @@ class Comm:
         t = self._type(x, opname)
         self._rows(x, opname)
         if self.check:
-            self._signature("alltoall", x)
+            self._sigs.full("alltoall", x)
         if self._rec is not None:
             self._note("alltoall", x)
         if inplace or out is x:
@@ -1262,150 +915,28 @@ class Comm:
         threshold = self.fusion_threshold if fusion_threshold is None else int(fusion_threshold)
         if not arrays:
             return list(arrays)
-        # The cache is looked up by (length, first, last, threshold), then checked array by
-        # array by identity: about 3x cheaper than hashing all the ids (256 arrays: 8 us).
-        key = (len(arrays), id(arrays[0]), id(arrays[-1]), threshold)
-        plan = self._group_plans.get(key)
-        if plan is not None and not self._same_items(arrays, plan[1]):
-            self._free_plan(self._group_plans.pop(key))
-            plan = None
+        key, plan = self._plans.lookup(arrays, threshold)
         if plan is None:
             if any(type(a) is not np.ndarray for a in arrays):
                 return self._foreign("grouped_allreduce", list(arrays), op=op,
                                      fusion_threshold=threshold)
-            plan = self._group_plan(arrays, threshold, key, op, cache=_cache)
-        # The list's signature (every array's dtype and count, the op, the threshold) rides
-        # in the first step's first exchange; once it matches, every rank has the same
-        # plan, so the later steps carry none. Computed per call: the cached plan is
-        # keyed by this rank's arrays only.
-        words = plan[2] if (self._sig_on or self.check) and op == plan[3] else \
-            (_sig.group_words(arrays, str(op), threshold) if self._sig_on or self.check else None)
-        self._group_pending = arrays
+            plan = self._plans.build(arrays, threshold, key, op, self._type, self.rank,
+                                     cache=_cache)
+        # The list's signature (every array's dtype and count, the op, the threshold):
+        # computed per call unless the plan's op is this one, as the cached plan is keyed
+        # by this rank's arrays only.
+        words = None
+        if self._sig_on or self.check:
+            words = plan.words if op == plan.op else _sig.group_words(arrays, str(op), threshold)
+        self._sigs.pending = arrays
         if self.check:
-            self._full_words("grouped_allreduce", words)
+            self._sigs.full_words("grouped_allreduce", words)
         if self._rec is not None:
             self._note("grouped_allreduce", None)
-        sig = words if self._sig_on else None
-        if sig is not None and not plan[0]:  # nothing to reduce here: still compare
-            self._light(sig, "grouped_allreduce")
-        for step in plan[0]:
-            if len(step) == 1:  # an array reduced on its own
-                self._allreduce(step[0], op, None, True, np, sig)
-                sig = None
-                continue
-            datatype, memory, dtype, count, pairs = step
-            nbytes = count * dtype.itemsize
-            shm = self._shm
-            path = self._paths.pick(nbytes, True)[0] if shm is not None else "mpi"
-            if path != "mpi" and self._engine_win is not None:
-                # The compiled engine reduces the arrays where they are, as one stream
-                # (no packing); False: a dtype or op it does not do (no rank synchronised).
-                if self._engine.grouped(pairs, self._fusion_rep(dtype), op, sig):
-                    sig = None
-                    continue
-            if path.startswith("shm") and nbytes <= SINGLE_STEP_MAX:
-                # Pack straight into this rank's shared slot, unpack straight out of the
-                # shared result: no intermediate fusion buffer at all.
-                if sig is not None:
-                    self._light(sig, "grouped_allreduce")
-                    sig = None
-                rep = self._fusion_rep(dtype)
-                t, mop, kern, finish, _, _ = self._redop(rep, op, "grouped_allreduce")
-                shm.allreduce_packed(
-                    count, dtype, lambda v: datatype.Pack(memory, v, 0, MPI.COMM_SELF),
-                    lambda v: datatype.Unpack(v, 0, memory, MPI.COMM_SELF), kern, t, mop,
-                    finish, self._cross_ring if path == "shm+ring" else None)
-                continue
-            buf = self._fusion_bufs.get(dtype)
-            if buf is None or buf.size < count:
-                buf = self._fusion_bufs[dtype] = np.empty(max(count, 1024), dtype=dtype)
-            flat = buf[:count]
-            # Pack/unpack in C through an MPI datatype describing all the arrays: a
-            # Python loop over 256 small arrays costs more than the allreduce itself.
-            datatype.Pack(memory, flat, 0, MPI.COMM_SELF)
-            self._allreduce(flat, op, None, True, np, sig)
-            sig = None
-            datatype.Unpack(flat, 0, memory, MPI.COMM_SELF)
+        _fusion.run(self, plan, op, words if self._sig_on else None)
         if not _cache:
-            self._free_plan(plan)
+            plan.free()
         return list(arrays)
-
-    def _fusion_rep(self, dtype: np.dtype) -> np.ndarray:
-        """A small array of ``dtype`` (for op/dtype lookups keyed by an array)."""
-        buf = self._fusion_bufs.get(dtype)
-        if buf is None:
-            buf = self._fusion_bufs[dtype] = np.empty(1024, dtype=dtype)
-        return buf
-
-    def _group_plan(self, arrays: Sequence[np.ndarray], threshold: int, key: tuple,
-                    op: Any = SUM, cache: bool = True) -> tuple:
-        """Validate ``arrays`` once and split them into fusion buffers.
-
-        Returns (steps, arrays, signature words, op); a step is ``(array,)`` for an array
-        reduced alone, or ``(datatype, memory, dtype, count)``: an hindexed MPI datatype
-        covering a batch and a buffer spanning it. Cached by the identity of the arrays;
-        the cache holds references to them, so an id cannot be reused by another object
-        and the addresses stay valid (NumPy arrays never move their data). Read-only
-        arrays are refused here, when the list is first seen (a cached list is not
-        checked again: an array cannot become writable-then-read-only over ``bytes``).
-        """
-        groups: dict[np.dtype, list[np.ndarray]] = {}
-        for i, a in enumerate(arrays):
-            self._type(a, "grouped_allreduce")
-            if not a.flags.writeable:
-                raise self._err(ReadOnlyError, "grouped_allreduce",
-                                f"array {i} (shape {a.shape}, {a.dtype}) is read-only (e.g. "
-                                "np.frombuffer over bytes) and would receive the result in "
-                                "place; pass a writable copy")
-            groups.setdefault(a.dtype, []).append(a)
-        steps: list[tuple] = []
-        alone = min(threshold, FUSE_ALONE_BYTES)
-        cap = min(threshold, SINGLE_STEP_MAX)
-        for dtype in sorted(groups, key=lambda d: d.str):  # same order on every rank
-            batch: list[np.ndarray] = []
-            nbytes = 0
-            for a in groups[dtype]:
-                if a.nbytes >= alone:
-                    steps.append((a,))
-                    continue
-                if nbytes + a.nbytes > cap:
-                    steps.append(self._fused_step(batch, dtype))
-                    batch, nbytes = [], 0
-                batch.append(a)
-                nbytes += a.nbytes
-            if batch:
-                steps.append(self._fused_step(batch, dtype))
-        plan = (steps, list(arrays), _sig.group_words(arrays, str(op), threshold), op)
-        if not cache:
-            return plan
-        if len(self._group_plans) >= 8:
-            self._free_plan(self._group_plans.pop(next(iter(self._group_plans))))
-        self._group_plans[key] = plan
-        return plan
-
-    @staticmethod
-    def _fused_step(batch: list[np.ndarray], dtype: np.dtype) -> tuple:
-        live = [a for a in batch if a.size]
-        if len(live) <= 1:
-            return (live[0],) if live else (batch[0],)
-        addrs = [MPI.Get_address(a) for a in live]
-        base = min(addrs)
-        end = max(ad + a.nbytes for ad, a in zip(addrs, live))
-        datatype = _dt.mpi_type(dtype).Create_hindexed(
-            [a.size for a in live], [ad - base for ad in addrs]).Commit()
-        if datatype.Get_extent()[1] != end - base:  # not expected; keep MPI honest
-            datatype.Free()
-            raise CollectiveError("grouped_allreduce", None, "internal: fused datatype "
-                                  "extent differs from the arrays' span")
-        count = sum(a.size for a in live)
-        pairs = np.array([(ad, a.nbytes) for ad, a in zip(addrs, live)], dtype=np.int64)
-        return (datatype, MPI.buffer.fromaddress(base, end - base), dtype, count, pairs)
-
-    @staticmethod
-    def _free_plan(plan: tuple) -> None:
-        for step in plan[0]:
-            if len(step) > 1:
-                step[0].Free()
 
 
 # A collective, set up (``_Op``): (mpi4py's blocking call, its arguments, the result,

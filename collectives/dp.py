@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from . import objects as _objects
+from ._queries import query
 from .errors import CollectiveError, MismatchError
 
 AVG, SUM = "avg", "sum"
@@ -99,10 +100,9 @@ def init(comm: Any = None) -> Context:
         if ours:
             # Open MPI busy-polls while it waits. Here the allreduce thread waits beside
             # the compute threads (and, on a host with more ranks than free cores, other
-            # ranks): a waiting rank should give its core away. On a loaded 2-core host
-            # benchmarks/bench_ddp.py gave 1.4-1.6x DDP/gloo's speed with it and
-            # 0.3-0.4x without (alternating runs). Read at MPI_Init (importing
-            # mpi4py.MPI); a user's setting wins.
+            # ranks): a waiting rank should give its core away, or it slows the very
+            # threads it waits for (benchmarks/bench_ddp.py measures both settings on a
+            # loaded host). Read at MPI_Init (importing mpi4py.MPI); a user's setting wins.
             os.environ["OMPI_MCA_mpi_yield_when_idle"] = "1"
         try:
             from . import comm as _comm
@@ -125,16 +125,9 @@ def _ctx(op: str) -> Context:
     return _CTX
 
 
-def rank() -> int:
-    return _ctx("rank").rank
-
-
-def size() -> int:
-    return _ctx("size").size
-
-
-def local_rank() -> int:
-    return _ctx("local_rank").local_rank
+rank = query(_ctx, "rank", "This process's rank.")
+size = query(_ctx, "size", "Number of ranks in the job.")
+local_rank = query(_ctx, "local_rank", "This process's rank among the ranks on its host.")
 
 
 # ---------------------------------------------------------------- broadcasts

@@ -8,16 +8,13 @@ sequence number, operation, dtype, element count and root. dtrun's stack agent r
 file while the rank is blocked (no cooperation from the rank, no signal), so a hang report
 can say "rank 2 is in broadcast #17, the others in allreduce #17".
 
-Layout (native int64 words): ``[MAGIC, VERSION, pid, rank, RING, INSIDE, 0, 0]`` then ``RING``
-pairs ``(seq, desc)``; entry ``seq`` lives in slot ``seq % RING``; the newest entry is the
-largest seq. ``desc`` packs the count (bits 0-35), root + 1 (bits 36-51, 0 = no root),
-the dtype (bits 52-57) and the operation (bits 58-62). The writer stores ``desc`` before
-``seq``. ``INSIDE`` (word 5, from VERSION 2) is 1 while the rank is inside a blocking
-collective, 0 otherwise: dtrun's agent on the rank's host reads it a few hundred times a
-second for the share of time the rank waits for its peers (launcher/waitsampler.py), so
-no clock is read in the collective and none is compared across hosts.
-``launcher/stackagent.py`` decodes the same layout with the standard library (it cannot
-import this package); a test keeps the two in step.
+The file format (header, ring slots, the ``desc`` word) is ``launcher.remote.wire``'s,
+which dtrun's agent reads with the standard library: one definition for both sides. The
+writer stores ``desc`` before ``seq``. Header word ``INSIDE_WORD`` is 1 while the rank is
+inside a blocking collective, 0 otherwise: dtrun's agent on the rank's host reads it a few
+hundred times a second for the share of time the rank waits for its peers
+(launcher/waitsampler.py), so no clock is read in the collective and none is compared
+across hosts.
 
 Cost: two stores into the mapped memory per collective, two more for the flag (see
 benchmarks/bench_hang.py and benchmarks/bench_straggler.py).
@@ -29,39 +26,31 @@ from __future__ import annotations
 import mmap
 import os
 
-MAGIC = 0x647472756E726563  # "dtrunrec"
-VERSION = 2
-INSIDE_WORD = 5  # header word: 1 while the rank is inside a blocking collective
-RING = 128
+from launcher.remote import wire as _wire
+
+# The format's names as this package (and its tests) know them.
+MAGIC, VERSION, INSIDE_WORD = _wire.REC_MAGIC, _wire.REC_VERSION, _wire.REC_INSIDE_WORD
+RING, HEADER_WORDS, COUNT_BITS = _wire.REC_RING, _wire.REC_HEADER_WORDS, _wire.REC_COUNT_BITS
+OPS, DTYPES = _wire.REC_OPS, _wire.REC_DTYPES
 MASK = RING - 1
-HEADER_WORDS = 8
 
-# Order is the file format: append only.
-OPS = ("", "allreduce", "reduce", "broadcast", "scatter", "gather", "allgather", "gatherv",
-       "allgatherv", "reduce_scatter", "alltoall", "barrier", "grouped_allreduce")
-DTYPES = ("", "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-          "float16", "float32", "float64", "bfloat16", "complex64", "complex128")
-
-COUNT_BITS = 36
-ROOT_SHIFT = 36
-DTYPE_SHIFT = 52
-OP_SHIFT = 58
-
-OP_BITS = {name: i << OP_SHIFT for i, name in enumerate(OPS) if name}
+OP_BITS = {name: i << _wire.REC_OP_SHIFT for i, name in enumerate(OPS) if name}
 _DTYPE_CODES = {name: i for i, name in enumerate(DTYPES) if name}
 
 
 def dtype_bits(dtype) -> int:
     """The dtype's field of ``desc`` (0 for a dtype the format does not name)."""
-    return _DTYPE_CODES.get(str(dtype), 0) << DTYPE_SHIFT
+    return _DTYPE_CODES.get(str(dtype), 0) << _wire.REC_DTYPE_SHIFT
 
 
 def root_bits(root: int) -> int:
-    return (min(int(root), 0xFFFE) + 1) << ROOT_SHIFT if root is not None and root >= 0 else 0
+    if root is None or root < 0:
+        return 0
+    return (min(int(root), 0xFFFE) + 1) << _wire.REC_ROOT_SHIFT
 
 
 def path_for(job_dir: str, rank) -> str:
-    return os.path.join(job_dir, f"rank.{rank}.rec")
+    return os.path.join(job_dir, _wire.rec_file(rank))
 
 
 def open_ring(rank: int, environ=os.environ):
@@ -87,6 +76,60 @@ def open_ring(rank: int, environ=os.environ):
     return mm, words[HEADER_WORDS:]
 
 
+class Recorder:
+    """This rank's mapped recorder file: the ring, its header, and the Python store.
+
+    ``store`` is the writer without the compiled engine (the engine has its own,
+    ``Engine.note``, over the same memory)."""
+
+    __slots__ = ("map", "ring", "header", "seq")
+
+    def __init__(self, mm, ring: memoryview) -> None:
+        self.map, self.ring, self.header, self.seq = mm, ring, header(mm), 0
+
+    def restart(self, engine=None) -> None:
+        """Forget every entry (the ring as a new file has it): the next collective is #1
+        again. ``engine``: the compiled engine when it writes this ring too."""
+        for i in range(len(self.ring)):
+            self.ring[i] = 0
+        self.seq = 0
+        if engine is not None:
+            engine.seq = 0
+
+    def store(self, desc: int) -> None:
+        """Record one entry: ``desc``, then its sequence number (a reader trusts a slot
+        once its seq is the newest)."""
+        s = self.seq = self.seq + 1
+        i = (s & MASK) << 1
+        self.ring[i + 1] = desc
+        self.ring[i] = s
+
+
+class Owner:
+    """Which recorder writer this process has: the first ``Comm`` over
+    ``MPI.COMM_WORLD`` to ``claim`` one gets it; later ones (and a second world
+    communicator) record nothing, so one file has one writer."""
+
+    __slots__ = ("taken",)
+
+    def __init__(self) -> None:
+        self.taken = False
+
+    def claim(self, rank: int, environ=os.environ) -> Recorder | None:
+        """The process's recorder on the first call that can open one; None after."""
+        if self.taken:
+            return None
+        opened = open_ring(rank, environ)
+        if opened is None:
+            return None
+        self.taken = True
+        return Recorder(*opened)
+
+
+# This process's owner (tests replace it with a fresh ``Owner()`` to claim again).
+OWNER = Owner()
+
+
 def header(mm) -> memoryview:
     """The header words of a mapped recorder (``open_ring``'s mmap), writable."""
     return memoryview(mm).cast("q")[:HEADER_WORDS]
@@ -94,20 +137,6 @@ def header(mm) -> memoryview:
 
 def decode(buf: bytes) -> dict | None:
     """The recorder's header and entries, oldest first (None if ``buf`` is not one)."""
-    words = memoryview(bytes(buf)).cast("q") if len(buf) % 8 == 0 else None
-    if words is None or len(words) < HEADER_WORDS or words[0] != MAGIC:
+    if len(buf) % 8:
         return None
-    ring = words[4]
-    entries = []
-    for i in range(ring):
-        seq, desc = words[HEADER_WORDS + 2 * i], words[HEADER_WORDS + 2 * i + 1]
-        if seq <= 0:
-            continue
-        op = (desc >> OP_SHIFT) & 0x1F
-        dt = (desc >> DTYPE_SHIFT) & 0x3F
-        root = ((desc >> ROOT_SHIFT) & 0xFFFF) - 1
-        entries.append({"seq": seq, "op": OPS[op] if op < len(OPS) else str(op),
-                        "dtype": DTYPES[dt] if dt < len(DTYPES) else str(dt),
-                        "count": desc & ((1 << COUNT_BITS) - 1), "root": root if root >= 0 else None})
-    entries.sort(key=lambda e: e["seq"])
-    return {"pid": words[2], "rank": words[3], "entries": entries}
+    return _wire.rec_decode(memoryview(bytes(buf)).cast("q"))

@@ -3,7 +3,7 @@
 Ranks compare it before they exchange any data, so that ranks that called different
 things (another operation, dtype, element count, reduction op, root, allreduce path, or
 list of arrays) all raise ``MismatchError`` naming each side, instead of reducing
-garbage or waiting forever. Where it travels (comm.py, ``_fastshm.c``): beside the
+garbage or waiting forever. Where it travels (sigcheck.py, ``_fastshm.c``): beside the
 counter of the compiled engine's first synchronisation (one host), or in a 48-byte MPI
 allreduce (MAX of the words and of their negations: equal on all ranks iff max == -max).
 

@@ -173,76 +173,129 @@ def _pattern(n: int, shift: int):
     return ((np.arange(n) + shift) % 3 + 1).astype(np.float64)
 
 
-def _cases(comm, A: Arrays, op: str, dname: str, n: int) -> list[tuple[str, Callable, Any]]:
-    """(variant, run() -> result, expected float64 array or None) for one op."""
-    import numpy as np
-    size, rank = comm.size, comm.rank
-    floating = dname.startswith(("float", "bfloat"))
-    x = lambda: A.make(_pattern(n, rank), dname)  # noqa: E731
-    blocks = lambda f: np.concatenate([f(k) for k in range(size)]) if size else None  # noqa
-    cases: list[tuple[str, Callable, Any]] = []
-    if op == "sendrecv":
-        right, left = (rank + 1) % size, (rank - 1) % size
-        cases.append(("ring", lambda: comm.sendrecv(x(), right, A.make(np.zeros(n), dname),
-                                                    left), _pattern(n, left)))
-    elif op == "broadcast":
-        root = size - 1
-        cases.append(("out", lambda: comm.broadcast(x(), root=root), _pattern(n, root)))
-        cases.append(("inplace", lambda: comm.broadcast(x(), root=0, inplace=True),
-                      _pattern(n, 0)))
-    elif op == "scatter":
-        full = lambda: A.make(blocks(lambda k: _pattern(n, 10 * k)), dname)  # noqa: E731
-        cases.append(("out", lambda: comm.scatter(full(), root=0), _pattern(n, 10 * rank)))
-    elif op == "gather":
-        root = size - 1
-        exp = blocks(lambda k: _pattern(n, k)) if rank == root else None
-        cases.append(("out", lambda: comm.gather(x(), root=root), exp))
-    elif op == "reduce":
-        exp = sum(_pattern(n, k) for k in range(size)) if rank == 0 else None
-        cases.append(("sum", lambda: comm.reduce(x(), op="sum", root=0), exp))
-    elif op == "allreduce":
-        total = sum(_pattern(n, k) for k in range(size))
-        cases.append(("sum", lambda: comm.allreduce(x()), total))
-        cases.append(("sum-inplace", lambda: comm.allreduce(x(), inplace=True), total))
-        mm = lambda k: ((np.arange(n) + k) % size).astype(np.float64)  # noqa: E731
-        cases.append(("min", lambda: comm.allreduce(A.make(mm(rank), dname), op="min"),
-                      np.zeros(n)))
-        cases.append(("max", lambda: comm.allreduce(A.make(mm(rank), dname), op="max"),
-                      np.full(n, size - 1.0)))
-        two = lambda: A.make(1.0 + (mm(rank) == 0), dname)  # noqa: E731 one 2 per element
-        cases.append(("prod", lambda: comm.allreduce(two(), op="prod"), np.full(n, 2.0)))
-        if floating:
-            cases.append(("avg", lambda: comm.allreduce(A.make(np.full(n, float(rank)), dname),
-                                                        op="avg"),
-                          np.full(n, (size - 1) / 2)))
-    elif op == "allgather":
-        cases.append(("out", lambda: comm.allgather(x()), blocks(lambda k: _pattern(n, k))))
-    elif op == "allgatherv":
-        mine = lambda: A.make(_pattern(n + rank, rank), dname)  # noqa: E731
-        cases.append(("v", lambda: comm.allgatherv(mine()),
-                      blocks(lambda k: _pattern(n + k, k))))
-    elif op == "reduce_scatter":
-        full = lambda: A.make(blocks(lambda k: _pattern(n, k + rank)), dname)  # noqa: E731
-        cases.append(("sum", lambda: comm.reduce_scatter(full()),
-                      sum(_pattern(n, rank + k) for k in range(size))))
-    elif op == "alltoall":
-        # Rank r sends block j = pattern(n, 100r + j); receives block j = pattern(n, 100j + r).
-        full = lambda: A.make(blocks(lambda j: _pattern(n, 100 * rank + j)), dname)  # noqa
-        cases.append(("out", lambda: comm.alltoall(full()),
-                      blocks(lambda j: _pattern(n, 100 * j + rank))))
-    elif op == "iallreduce":
-        total = sum(_pattern(n, k) for k in range(size))
-        cases.append(("sum", lambda: comm.iallreduce(x()).wait(), total))
-    elif op == "grouped":
-        sizes = (n, 1, n + 5)
-        exp = np.concatenate([sum(_pattern(m, k) for k in range(size)) for m in sizes])
+class _Inputs:
+    """One (dtype, size) of the smoke test on this rank: inputs and expected blocks."""
 
-        def run():
-            arrs = [A.make(_pattern(m, rank), dname) for m in sizes]
-            comm.grouped_allreduce(arrs, fusion_threshold=4096)
-            return arrs
-        cases.append(("fused", run, exp))
+    def __init__(self, comm, A: Arrays, dname: str, n: int) -> None:
+        self.comm, self.A, self.dname, self.n = comm, A, dname, n
+        self.size, self.rank = comm.size, comm.rank
+
+    def x(self):
+        """This rank's input: ``_pattern(n, rank)``."""
+        return self.A.make(_pattern(self.n, self.rank), self.dname)
+
+    def make(self, values):
+        return self.A.make(values, self.dname)
+
+    def blocks(self, f: Callable[[int], Any]):
+        """``f(k)`` for every rank k, concatenated (float64)."""
+        import numpy as np
+        return np.concatenate([f(k) for k in range(self.size)]) if self.size else None
+
+    def total(self, m: int | None = None):
+        """The sum over ranks of their ``_pattern(m, rank)`` (m: n by default)."""
+        m = self.n if m is None else m
+        return sum(_pattern(m, k) for k in range(self.size))
+
+
+Case = tuple[str, Callable[[], Any], Any]  # (variant, run() -> result, expected float64 or None)
+
+
+def _sendrecv(c: _Inputs) -> list[Case]:
+    import numpy as np
+    right, left = (c.rank + 1) % c.size, (c.rank - 1) % c.size
+    return [("ring", lambda: c.comm.sendrecv(c.x(), right, c.make(np.zeros(c.n)), left),
+             _pattern(c.n, left))]
+
+
+def _broadcast(c: _Inputs) -> list[Case]:
+    root = c.size - 1
+    return [("out", lambda: c.comm.broadcast(c.x(), root=root), _pattern(c.n, root)),
+            ("inplace", lambda: c.comm.broadcast(c.x(), root=0, inplace=True), _pattern(c.n, 0))]
+
+
+def _scatter(c: _Inputs) -> list[Case]:
+    full = lambda: c.make(c.blocks(lambda k: _pattern(c.n, 10 * k)))  # noqa: E731
+    return [("out", lambda: c.comm.scatter(full(), root=0), _pattern(c.n, 10 * c.rank))]
+
+
+def _gather(c: _Inputs) -> list[Case]:
+    root = c.size - 1
+    exp = c.blocks(lambda k: _pattern(c.n, k)) if c.rank == root else None
+    return [("out", lambda: c.comm.gather(c.x(), root=root), exp)]
+
+
+def _reduce(c: _Inputs) -> list[Case]:
+    exp = c.total() if c.rank == 0 else None
+    return [("sum", lambda: c.comm.reduce(c.x(), op="sum", root=0), exp)]
+
+
+def _allreduce(c: _Inputs) -> list[Case]:
+    import numpy as np
+    comm, n, size = c.comm, c.n, c.size
+    mm = lambda k: ((np.arange(n) + k) % size).astype(np.float64)  # noqa: E731
+    two = lambda: c.make(1.0 + (mm(c.rank) == 0))  # noqa: E731 one 2 per element
+    cases: list[Case] = [
+        ("sum", lambda: comm.allreduce(c.x()), c.total()),
+        ("sum-inplace", lambda: comm.allreduce(c.x(), inplace=True), c.total()),
+        ("min", lambda: comm.allreduce(c.make(mm(c.rank)), op="min"), np.zeros(n)),
+        ("max", lambda: comm.allreduce(c.make(mm(c.rank)), op="max"), np.full(n, size - 1.0)),
+        ("prod", lambda: comm.allreduce(two(), op="prod"), np.full(n, 2.0))]
+    if c.dname.startswith(("float", "bfloat")):
+        cases.append(("avg", lambda: comm.allreduce(c.make(np.full(n, float(c.rank))), op="avg"),
+                      np.full(n, (size - 1) / 2)))
     return cases
+
+
+def _allgather(c: _Inputs) -> list[Case]:
+    return [("out", lambda: c.comm.allgather(c.x()), c.blocks(lambda k: _pattern(c.n, k)))]
+
+
+def _allgatherv(c: _Inputs) -> list[Case]:
+    mine = lambda: c.make(_pattern(c.n + c.rank, c.rank))  # noqa: E731
+    return [("v", lambda: c.comm.allgatherv(mine()), c.blocks(lambda k: _pattern(c.n + k, k)))]
+
+
+def _reduce_scatter(c: _Inputs) -> list[Case]:
+    full = lambda: c.make(c.blocks(lambda k: _pattern(c.n, k + c.rank)))  # noqa: E731
+    return [("sum", lambda: c.comm.reduce_scatter(full()),
+             sum(_pattern(c.n, c.rank + k) for k in range(c.size)))]
+
+
+def _alltoall(c: _Inputs) -> list[Case]:
+    # Rank r sends block j = pattern(n, 100r + j); receives block j = pattern(n, 100j + r).
+    full = lambda: c.make(c.blocks(lambda j: _pattern(c.n, 100 * c.rank + j)))  # noqa: E731
+    return [("out", lambda: c.comm.alltoall(full()),
+             c.blocks(lambda j: _pattern(c.n, 100 * j + c.rank)))]
+
+
+def _iallreduce(c: _Inputs) -> list[Case]:
+    return [("sum", lambda: c.comm.iallreduce(c.x()).wait(), c.total())]
+
+
+def _grouped(c: _Inputs) -> list[Case]:
+    import numpy as np
+    sizes = (c.n, 1, c.n + 5)
+
+    def run():
+        arrs = [c.make(_pattern(m, c.rank)) for m in sizes]
+        c.comm.grouped_allreduce(arrs, fusion_threshold=4096)
+        return arrs
+    return [("fused", run, np.concatenate([c.total(m) for m in sizes]))]
+
+
+# The checks of each op (every name in OPS).
+CASES: dict[str, Callable[[_Inputs], list[Case]]] = {
+    "sendrecv": _sendrecv, "broadcast": _broadcast, "scatter": _scatter, "gather": _gather,
+    "reduce": _reduce, "allreduce": _allreduce, "allgather": _allgather,
+    "allgatherv": _allgatherv, "reduce_scatter": _reduce_scatter, "alltoall": _alltoall,
+    "iallreduce": _iallreduce, "grouped": _grouped,
+}
+
+
+def _cases(comm, A: Arrays, op: str, dname: str, n: int) -> list[Case]:
+    """(variant, run() -> result, expected float64 array or None) for one op."""
+    return CASES[op](_Inputs(comm, A, dname, n))
 
 
 def run_checks(comm, A: Arrays, args, watchdog: Watchdog) -> dict[str, dict]:

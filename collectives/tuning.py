@@ -216,14 +216,15 @@ def applies(cand: tuple[str, int], nbytes: int) -> bool:
 def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
             run: Callable[[tuple[str, int], np.ndarray, np.ndarray, bool], None],
             first: int = 0, rounds: tuple[int, int] = (ROUNDS_SMALL, ROUNDS),
-            budget: float = BUDGET_S) -> np.ndarray:
+            budget: float = BUDGET_S, tick: Callable[[int], None] | None = None) -> np.ndarray:
     """Seconds per call, shape (len(BUCKETS), 2 [out of place, in place], len(cands)):
     each rank's median round, then the maximum over ranks (inf: not applicable).
 
     Buckets below ``first`` are not measured (MPI's time is ``NOT_MEASURED``); buckets
     whose predicted cost (from the previous bucket's timed rounds) would overrun
     ``budget`` are not either (``EXTRAPOLATED``: they take the decision of the largest
-    measured size). ``rounds``: timed rounds up to 64 KiB, and above.
+    measured size). ``rounds``: timed rounds up to 64 KiB, and above. ``tick(nbytes)``
+    after each size measured: the job's progress (a hang watch sees calibration as work).
     """
     med = np.full((len(BUCKETS), 2, len(cands)), np.inf)
     med[:first, :, 0] = NOT_MEASURED
@@ -241,6 +242,8 @@ def measure(mpi: MPI.Intracomm, cands: list[tuple[str, int]],
             break
         med[si], spent[1] = _measure_size(mpi, cands, run, nbytes,
                                           rounds[0] if nbytes <= 64 << 10 else rounds[1])
+        if tick is not None:
+            tick(nbytes)
     mpi.Allreduce(MPI.IN_PLACE, med, op=MPI.MAX)
     return med
 
@@ -357,7 +360,8 @@ def cache_key(hosts: list[str], local_size: int, nnodes: int, cands) -> str:
 
 
 def calibrated(mpi: MPI.Intracomm, host: str, local_size: int, nnodes: int,
-               cands: list[tuple[str, int]], run, refresh: bool = False) -> Table:
+               cands: list[tuple[str, int]], run, refresh: bool = False,
+               tick: Callable[[int], None] | None = None) -> Table:
     """The measured table for this layout: from the cache, or measured now (collective)."""
     hosts = _hosts(mpi, host)
     key = cache_key(hosts, local_size, nnodes, cands)
@@ -377,9 +381,9 @@ def calibrated(mpi: MPI.Intracomm, host: str, local_size: int, nnodes: int,
     t0 = time.perf_counter()
     if nnodes > 1:
         times = measure(mpi, cands, run, first=HOSTS_FIRST,
-                        rounds=(HOSTS_ROUNDS, HOSTS_ROUNDS), budget=HOSTS_BUDGET_S)
+                        rounds=(HOSTS_ROUNDS, HOSTS_ROUNDS), budget=HOSTS_BUDGET_S, tick=tick)
     else:
-        times = measure(mpi, cands, run)
+        times = measure(mpi, cands, run, tick=tick)
     took = time.perf_counter() - t0
     entry = None
     if mpi.Get_rank() == 0:

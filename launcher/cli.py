@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import dataclass
 from typing import List, Optional
 
 import typer
 
 from launcher.errors import DtrunError, ExitCode, UsageError
+from launcher.optargs import _MCA_KEY, no_such_option, option_table, split_launch_argv
 
 SUBCOMMANDS = ("hosts", "smoke", "bench", "doctor", "keyscan", "completion", "stacks", "top")
-_state = {"traceback": False}
+TOOLS = ("smoke", "bench")
 
 run_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 sub_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -76,12 +78,12 @@ def run(
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop the job after this many seconds (exit 124)."),
     start_timeout: float = typer.Option(120.0, "--start-timeout", help="Stop the job if some ranks have not started after this many seconds, naming their hosts (exit 124; 0: no limit)."),
     top: bool = typer.Option(False, "--top", help="Show the live per-rank table of `dtrun top` on stderr while the job runs."),
+    # Declared for --help and parsing; main reads it from argv before typer runs (read_invocation).
     traceback: bool = typer.Option(False, "--traceback", help="Show the Python traceback of an error."),
     version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
                                  help="Print dtrun's version and the MPI it would use, then exit."),
 ):
     """Launch PROGRAM on the hosts with mpirun, with the flags experienced users add by hand."""
-    _state["traceback"] = traceback
     from launcher.launch import LaunchOptions, launch
 
     opts = LaunchOptions(
@@ -109,31 +111,48 @@ def _mca_pair(item: str) -> tuple[str, str]:
     return key, value
 
 
+# The options that choose the hosts, declared once for the commands that take them all.
+_HOST_OPTIONS = (("host_list", Optional[str], _H), ("hostfile", Optional[str], _HOSTFILE),
+                 ("cluster", Optional[str], _CLUSTER), ("include", List[str], _INCLUDE),
+                 ("exclude", List[str], _EXCLUDE))
+
+
+def _with_host_options(command):
+    """Declare the host options first on ``command``, which takes them as ``**hosts`` (see _host_fields)."""
+    import inspect
+
+    sig = inspect.signature(command, eval_str=True)
+    own = [p for p in sig.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind)
+             for name, kind, option in _HOST_OPTIONS]
+    command.__signature__ = sig.replace(parameters=[p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+                                                    for p in added + own])
+    return command
+
+
+def _host_fields(hosts: dict) -> dict:
+    """The host options as the spec dataclasses take them (tuples, not lists)."""
+    return dict(hosts, include=tuple(hosts["include"]), exclude=tuple(hosts["exclude"]))
+
+
 @sub_app.command("hosts")
+@_with_host_options
 def hosts_cmd(
-    host_list: Optional[str] = _H,
-    hostfile: Optional[str] = _HOSTFILE,
-    cluster: Optional[str] = _CLUSTER,
-    include: List[str] = _INCLUDE,
-    exclude: List[str] = _EXCLUDE,
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    **hosts,
 ):
     """Print the resolved hosts and slots."""
     from launcher.hostsview import HostsQuery, show_hosts
 
-    raise typer.Exit(show_hosts(HostsQuery(host_list, hostfile, cluster, tuple(include), tuple(exclude), json_out)))
+    raise typer.Exit(show_hosts(HostsQuery(**_host_fields(hosts), json_out=json_out)))
 
 
 _TIMEOUT = typer.Option(5.0, "--timeout", help="Seconds each network step (connect, handshake, probe) may take.")
 
 
 @sub_app.command("doctor")
+@_with_host_options
 def doctor_cmd(
-    host_list: Optional[str] = _H,
-    hostfile: Optional[str] = _HOSTFILE,
-    cluster: Optional[str] = _CLUSTER,
-    include: List[str] = _INCLUDE,
-    exclude: List[str] = _EXCLUDE,
     ssh_config: Optional[str] = _SSH_CONFIG,
     timeout: float = _TIMEOUT,
     json_out: bool = typer.Option(False, "--json", help="Print the findings as JSON (for CI)."),
@@ -143,6 +162,7 @@ def doctor_cmd(
     e2e_timeout: Optional[float] = typer.Option(None, "--e2e-timeout", help="Seconds the end-to-end job may take before it counts as a hang (default 40)."),
     links: bool = typer.Option(False, "--links", help="Measure bandwidth and latency between hosts (all pairs up to 8 hosts, else a ring and a sample) and name the slow host or pair."),
     links_sample: Optional[str] = typer.Option(None, "--links-sample", help="With --links: random host pairs to measure beyond the ring (default: as many as hosts; 0 for the ring only)."),
+    **hosts,
 ):
     """Check ssh, environment, network, firewall and GPUs on every host; say what to fix."""
     from checks.doctor import DoctorSpec, run_doctor
@@ -155,8 +175,8 @@ def doctor_cmd(
             raise UsageError("--links-sample needs --links")
         sample = int(links_sample)
     raise typer.Exit(run_doctor(DoctorSpec(
-        host_list, hostfile, cluster, tuple(include), tuple(exclude), ssh_config, timeout, json_out, all_pairs,
-        program, not no_e2e, e2e_timeout, links, sample)))
+        **_host_fields(hosts), ssh_config=ssh_config, timeout=timeout, json=json_out, all_pairs=all_pairs, program=program, e2e=not no_e2e,
+        e2e_timeout=e2e_timeout, links=links, links_sample=sample)))
 
 
 @sub_app.command("keyscan")
@@ -172,7 +192,9 @@ def keyscan_cmd(
     """Show each host's SSH key fingerprint and add unknown keys to known_hosts after confirmation."""
     from checks.keyscan import KeyscanSpec, keyscan
 
-    raise typer.Exit(keyscan(KeyscanSpec(tuple(hosts or ()), host_list, hostfile, cluster, ssh_config, timeout, yes)))
+    raise typer.Exit(keyscan(KeyscanSpec(
+        hosts=tuple(hosts or ()), host_list=host_list, hostfile=hostfile, cluster=cluster, ssh_config=ssh_config,
+        timeout=timeout, yes=yes)))
 
 
 @sub_app.command("stacks")
@@ -197,97 +219,7 @@ def top_cmd(
     """A live table of a running job per rank: rate, waiting, CPU, memory, GPU, the straggler; the job goes on."""
     from launcher.top import TopSpec, show_top
 
-    raise typer.Exit(show_top(TopSpec(job, once, json_out, interval, timeout)))
-
-
-# Options that take more than one value. click options take one; dtrun folds
-# ``--mca KEY VALUE`` (mpirun's spelling) into ``--mca KEY=VALUE`` before click sees it.
-_MULTI_VALUE = {"--mca": 2}
-_MCA_KEY = re.compile(r"^[A-Za-z0-9_]+$")
-
-
-def option_table(command) -> dict[str, int]:
-    """Every option name of a click command (help included) -> how many values it takes.
-
-    Derived from the command itself, so an option added to a typer command is known
-    to the pass-through logic without a second list to keep.
-    """
-    table: dict[str, int] = {}
-    for p in command.params:
-        if getattr(p, "param_type_name", "") != "option":
-            continue
-        n = 0 if (p.is_flag or p.count) else p.nargs
-        for name in p.opts:
-            table[name] = _MULTI_VALUE.get(name, n)
-        for name in p.secondary_opts:  # --no-tag-output and the like
-            table[name] = 0
-    for name in (command.context_settings or {}).get("help_option_names", ["--help"]):
-        table[name] = 0
-    return table
-
-
-def no_such_option(name: str, known) -> UsageError:
-    import difflib
-
-    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return UsageError(f"no such option {name}{hint}")
-
-
-def take_option(argv: list[str], i: int, table: dict[str, int]) -> tuple[list[str], int]:
-    """Read the option at ``argv[i]`` with its values; return (normalised args, next index).
-
-    ``--name=value`` and ``--name value`` both work; a missing, empty or ``--`` value is
-    a usage error, so an option never swallows the ``--`` that starts the program.
-    """
-    a = argv[i]
-    name, eq, inline = a.partition("=") if a.startswith("--") else (a, "", "")
-    n = table.get(name)
-    if n is None:
-        raise no_such_option(name, table)
-    if n == 0:
-        if eq:
-            raise UsageError(f"{name} takes no value (got {a!r})")
-        return [name], i + 1
-    if eq:
-        if n > 1:
-            raise UsageError(f"{name} takes {n} values: {name} {_metavar(name)} (got {a!r})")
-        values, nxt = [inline], i + 1
-    else:
-        values, nxt = argv[i + 1:i + 1 + n], i + 1 + n
-    if len(values) < n or any(v == "--" for v in values):
-        raise UsageError(f"{name} needs {'a value' if n == 1 else _metavar(name)}"
-                         + (" before --" if "--" in values else ""))
-    if any(v == "" for v in values):
-        raise UsageError(f"{name}: empty value")
-    if name == "--mca":
-        key, value = values
-        if not _MCA_KEY.match(key):
-            raise UsageError(f"--mca {key!r}: not an MCA parameter name (letters, digits, _): --mca KEY VALUE")
-        return [name, f"{key}={value}"], nxt
-    return [name, *values], nxt
-
-
-def _metavar(name: str) -> str:
-    return "KEY VALUE" if name == "--mca" else "VALUE"
-
-
-def split_launch_argv(argv: list[str], table: dict[str, int]) -> tuple[list[str], list[str]]:
-    """dtrun's own options, and PROGRAM with its arguments (never parsed by dtrun).
-
-    PROGRAM starts at the first word that is not an option or an option's value, or
-    after ``--``. An unknown option before it is an error, not a program.
-    """
-    opts, i = [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--":
-            return opts, argv[i + 1:]
-        if not a.startswith("-") or a == "-":
-            return opts, argv[i:]
-        taken, i = take_option(argv, i, table)
-        opts += taken
-    return opts, []
+    raise typer.Exit(show_top(TopSpec(job=job, once=once, json_out=json_out, interval=interval, timeout=timeout)))
 
 
 _LAUNCH_TABLE: dict = {}
@@ -348,7 +280,7 @@ def _complete(instruction: str) -> int:
     subs = typer.main.get_command(sub_app)
     args, incomplete = cls(launch, {}, "dtrun", COMPLETE_VAR).get_completion_args()
     if args and args[0] in SUBCOMMANDS:
-        tool = args[0] in ("smoke", "bench")
+        tool = args[0] in TOOLS
         print(cls(launch if tool else subs, {}, "dtrun", COMPLETE_VAR).complete())
     elif not args and not incomplete.startswith("-"):
         comp = cls(subs, {}, "dtrun", COMPLETE_VAR)
@@ -376,24 +308,61 @@ def _invoke(app: typer.Typer, argv: list[str], prog: str) -> int:
         return ExitCode.INTERRUPTED
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+@dataclass(frozen=True)
+class Invocation:
+    """What main knows from argv before typer parses it."""
+
+    traceback: bool = False
+
+
+def read_invocation(argv: list[str]) -> Invocation:
+    """Scan dtrun's own options for ``--traceback`` up front (as httpie does).
+
+    Only the launch options count (``dtrun [OPTIONS] PROGRAM``, ``dtrun smoke|bench``): a
+    ``--traceback`` after PROGRAM or ``--`` is the program's. Reading it before typer runs
+    means an error raised while the options are parsed shows its traceback too.
+    """
+    if argv and argv[0] in TOOLS:
+        words = argv[1:]
+        own = words[:words.index("--")] if "--" in words else words
+        return Invocation(traceback="--traceback" in own)
+    if argv and argv[0] in SUBCOMMANDS:
+        return Invocation()
+    table, i = launch_table(), 0
+    while i < len(argv) and argv[i] != "--":
+        word = argv[i]
+        if word == "--traceback":
+            return Invocation(traceback=True)
+        if not word.startswith("-") or word == "-":
+            break  # PROGRAM starts here
+        inline = word.startswith("--") and "=" in word
+        i += 1 + (0 if inline else table.get(word, 0))
+    return Invocation()
+
+
+def _run_command(argv: list[str]) -> int:
     import os
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        if os.environ.get(COMPLETE_VAR):
-            code = _complete(os.environ[COMPLETE_VAR])
-        elif argv and argv[0] in ("smoke", "bench"):
-            from launcher.toolargs import tool_launch_argv
+    if os.environ.get(COMPLETE_VAR):
+        return _complete(os.environ[COMPLETE_VAR])
+    if argv and argv[0] in TOOLS:
+        from launcher.toolargs import tool_launch_argv
 
-            tool_argv = tool_launch_argv(argv[0], argv[1:], launch_table())
-            code = ExitCode.OK if tool_argv is None else _invoke(run_app, tool_argv, f"dtrun {argv[0]}")
-        elif argv and argv[0] in SUBCOMMANDS:
-            code = _invoke(sub_app, argv, "dtrun")
-        else:
-            code = _invoke(run_app, launch_argv(argv), "dtrun")
+        tool_argv = tool_launch_argv(argv[0], argv[1:], launch_table())
+        return ExitCode.OK if tool_argv is None else _invoke(run_app, tool_argv, f"dtrun {argv[0]}")
+    if argv and argv[0] in SUBCOMMANDS:
+        return _invoke(sub_app, argv, "dtrun")
+    return _invoke(run_app, launch_argv(argv), "dtrun")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    invocation = Invocation()
+    try:
+        invocation = read_invocation(argv)
+        code = _run_command(argv)
     except DtrunError as exc:
-        if _state["traceback"]:
+        if invocation.traceback:
             raise
         print(f"dtrun: error: {exc}", file=sys.stderr)
         code = exc.exit_code

@@ -29,7 +29,7 @@ _URL_CREDENTIALS = re.compile(r"(?P<pre>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*:)(?P
 REDACTED = "<redacted>"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LaunchSpec:
     """Everything that decides the mpirun command line, already validated."""
 
@@ -48,7 +48,7 @@ class LaunchSpec:
     mpi_args: tuple[str, ...] = ()
     tag_output: bool = False
     log_dir: Optional[str] = None
-    job_dir: Optional[str] = None  # where ranks leave state for `dtrun stacks` (launcher/rankstate.py)
+    job_dir: Optional[str] = None  # where ranks leave state for `dtrun stacks` (launcher/remote/rankstate.py)
     nccl_debug: Optional[str] = None
     nccl_socket_ifname: Optional[str] = None  # the preflight's choice for NCCL (reason: iface_reason)
     no_tree_spawn: bool = False

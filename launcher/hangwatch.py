@@ -1,7 +1,7 @@
 """Watching a running job: the stack report on SIGQUIT, and on no progress for S seconds.
 
 Progress is a collective of the bundled runtime started on any rank (the flight
-recorders' sequence numbers, read on each host by a ``stackagent.py watch`` process);
+recorders' sequence numbers, read on each host by a ``agent.py watch`` process);
 for a job that does not use the runtime, output: lines dtrun relays from any rank, or
 growth of a rank's log under --log-dir. The clock starts when every rank has started.
 When nothing progressed for ``hang_timeout`` seconds the monitor prints the roll-call
@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from launcher.job.result import StopReason
 from launcher.jobstate import JobInfo
 
 ON_HANG = ("report", "abort", "restart")  # restart: stop as abort does, then --max-restarts (launcher/restarts.py)
@@ -87,9 +88,9 @@ class Monitor:
     # -- the same, as a job observer of run_job (on_start / on_output / on_signal / on_end)
     def on_start(self, job) -> None:
         # Open MPI 5 names the job's PMIx namespace after this host and mpirun's pid: the kill
-        # agent proves a daemon whose ranks have ended by it (stackagent.kill).
+        # agent proves a daemon whose ranks have ended by it (agent.kill).
         self.nspace = f"prterun-{socket.gethostname()}-{job.pid}@0"
-        self.start(abort=lambda: job.stop(f"no progress (--on-hang {self.on_hang})"))
+        self.start(abort=lambda: job.stop(StopReason.HANG, f"no progress (--on-hang {self.on_hang})"))
 
     def on_output(self, _stream, _data) -> None:
         self.saw_output()
@@ -114,8 +115,7 @@ class Monitor:
 
     def on_end(self, result) -> None:
         self.stop()
-        if (getattr(result, "returncode", 0) != 0 and getattr(result, "launcher", "") != "srun"
-                and not any(getattr(result, k, False) for k in ("interrupted", "hung", "stopped"))):
+        if result.returncode != 0 and result.launcher != "srun" and result.stop is None:
             # A failed rank's peers can be SIGKILLed by MPI before their wrappers tidy up; on a
             # host without a shared file system their files would stay. (A job dtrun stopped
             # gets kill_leftovers, which tidies too; under srun ssh may be blocked.)
@@ -202,38 +202,13 @@ class Monitor:
         self.reports.append((text, took))
 
     def kill_leftovers(self, budget: float = 5.0) -> None:
-        """After dtrun stopped the job: on every host at once, SIGKILL any rank the job
-        directory still lists and the MPI daemons that started them, if still alive.
+        """After dtrun stopped the job: end what it left on every host (launcher/job/kill.py)."""
+        from launcher.job.kill import kill_leftovers
 
-        Bounded by ``budget`` seconds in all, whatever the network does (a silent host's
-        ssh client is killed when it runs out).
-        """
-        self._run_agents("kill", dict.fromkeys(self.job.hosts), budget, (self.nspace,) if self.nspace else ())
+        kill_leftovers(self.job, self.nspace, budget)
 
     def tidy_remote_hosts(self, budget: float = 3.0) -> None:
-        """On every other host at once, remove what the job's ended ranks left in the job
-        directory there (stackagent.py tidy); dtrun removes its own host's directory."""
-        from launcher.hosts import is_local
+        """Remove what the job's ended ranks left on the other hosts (launcher/job/kill.py)."""
+        from launcher.job.kill import tidy_remote_hosts
 
-        hosts = [h for h in dict.fromkeys(self.job.hosts) if not is_local(h)]
-        if hosts:
-            self._run_agents("tidy", hosts, budget)
-
-    def _run_agents(self, mode: str, hosts, budget: float, extra=()) -> None:
-        from launcher.stacks import agent_argv
-
-        deadline = time.monotonic() + budget
-        procs = []
-        for host in hosts:
-            try:
-                procs.append(subprocess.Popen(agent_argv(self.job, host, mode, budget, extra), stdout=subprocess.DEVNULL,
-                                              stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                                              start_new_session=True))
-            except OSError:
-                pass
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        tidy_remote_hosts(self.job, budget)

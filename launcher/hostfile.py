@@ -151,109 +151,127 @@ def parse_cluster_yaml(text: str, source: str) -> ClusterFile:
     """
     import yaml  # lazily: only cluster files need it
 
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except RecursionError:
-        raise HostfileError(source, None, "invalid YAML: nested too deeply") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise HostfileError(source, line, f"invalid YAML: {problem}") from None
-    if root is None:
-        raise HostfileError(source, None, "empty cluster file")
-    if not isinstance(root, yaml.MappingNode):
-        raise HostfileError(source, root.start_mark.line + 1, "expected a mapping with a 'hosts:' list")
+    reader = _ClusterReader(yaml, source)
+    defaults, ssh_config, hosts_node = reader.top_level(reader.compose(text))
+    return ClusterFile(tuple(reader.host(item, defaults) for item in hosts_node.value), ssh_config)
 
+
+class _ClusterReader:
+    """The YAML nodes of one cluster file, read into checked values; errors name the node's line."""
+
+    def __init__(self, yaml, source: str):
+        self.yaml = yaml
+        self.source = source
+
+    def error(self, line: Optional[int], message: str) -> HostfileError:
+        return HostfileError(self.source, line, message)
+
+    def compose(self, text: str):
+        """The root mapping node of ``text``."""
+        yaml = self.yaml
+        try:
+            root = yaml.compose(text, Loader=yaml.SafeLoader)
+        except RecursionError:
+            raise self.error(None, "invalid YAML: nested too deeply") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            line = mark.line + 1 if mark is not None else None
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise self.error(line, f"invalid YAML: {problem}") from None
+        if root is None:
+            raise self.error(None, "empty cluster file")
+        if not isinstance(root, yaml.MappingNode):
+            raise self.error(root.start_mark.line + 1, "expected a mapping with a 'hosts:' list")
+        return root
+
+    @staticmethod
     def line_of(node) -> int:
         return node.start_mark.line + 1
 
-    def scalar(node, what: str) -> str:
-        if not isinstance(node, yaml.ScalarNode):
-            raise HostfileError(source, line_of(node), f"{what} must be a single value")
+    def scalar(self, node, what: str) -> str:
+        if not isinstance(node, self.yaml.ScalarNode):
+            raise self.error(self.line_of(node), f"{what} must be a single value")
         return str(node.value)
 
-    def keys_once(mapping):
+    def keys_once(self, mapping):
         seen = set()
         for knode, vnode in mapping.value:
-            key = scalar(knode, "a key")
+            key = self.scalar(knode, "a key")
             if key in seen:
-                raise HostfileError(source, line_of(knode), f"key {key!r} given twice")
+                raise self.error(self.line_of(knode), f"key {key!r} given twice")
             seen.add(key)
             yield key, knode, vnode
 
-    def path_value(value: str, ln: int, what: str) -> str:
+    def path_value(self, value: str, ln: int, what: str) -> str:
         path = os.path.abspath(os.path.expanduser(value))
-        try:
-            safe.ssh_config_path(path, what)
-        except InvalidValue as exc:
-            raise HostfileError(source, ln, str(exc)) from None
+        self.checked(safe.ssh_config_path, path, what, line=ln)
         return path
 
-    def host_options(mapping, where_line: int) -> dict:
-        opts = {}
-        for key, knode, vnode in keys_once(mapping):
-            if key not in _HOST_KEYS:
-                raise HostfileError(source, line_of(knode), f"unknown key {key!r} (expected one of {', '.join(sorted(_HOST_KEYS))})")
-            value = scalar(vnode, key)
-            ln = line_of(vnode)
-            if key in ("slots", "max_slots"):
-                opts[key] = _parse_slots(value, source, ln, key)
-            elif key == "port":
-                try:
-                    opts[key] = safe.port(value)
-                except InvalidValue as exc:
-                    raise HostfileError(source, ln, str(exc)) from None
-            elif key in ("name", "host"):
-                opts["name"] = (validate_hostname(value, source, ln), ln)
-            elif key == "user":
-                try:
-                    opts[key] = safe.user_name(value)
-                except InvalidValue as exc:
-                    raise HostfileError(source, ln, str(exc)) from None
+    def checked(self, check, *args, line: int):
+        """``check(*args)``, its InvalidValue turned into an error at ``line``."""
+        try:
+            return check(*args)
+        except InvalidValue as exc:
+            raise self.error(line, str(exc)) from None
+
+    def top_level(self, root) -> tuple[dict, Optional[str], object]:
+        """(defaults, ssh_config, the hosts sequence node) from the root mapping."""
+        yaml, defaults, ssh_config, hosts_node = self.yaml, {}, None, None
+        for key, knode, vnode in self.keys_once(root):
+            if key == "defaults":
+                if not isinstance(vnode, yaml.MappingNode):
+                    raise self.error(self.line_of(vnode), "defaults must be a mapping")
+                defaults = self.host_options(vnode)
+                if "name" in defaults:
+                    raise self.error(self.line_of(vnode), "defaults cannot set a host name")
+            elif key == "ssh_config":
+                ssh_config = self.path_value(self.scalar(vnode, "ssh_config"), self.line_of(vnode), "ssh_config")
+            elif key == "hosts":
+                hosts_node = vnode
             else:
-                opts[key] = path_value(value, ln, key)
+                raise self.error(self.line_of(knode), f"unknown key {key!r} (expected hosts, defaults, ssh_config)")
+        if hosts_node is None:
+            raise self.error(None, "no 'hosts:' list")
+        if not isinstance(hosts_node, yaml.SequenceNode) or not hosts_node.value:
+            raise self.error(self.line_of(hosts_node), "'hosts:' must be a non-empty list")
+        return defaults, ssh_config, hosts_node
+
+    def host_options(self, mapping) -> dict:
+        opts = {}
+        for key, knode, vnode in self.keys_once(mapping):
+            if key not in _HOST_KEYS:
+                raise self.error(self.line_of(knode), f"unknown key {key!r} (expected one of {', '.join(sorted(_HOST_KEYS))})")
+            value = self.scalar(vnode, key)
+            ln = self.line_of(vnode)
+            if key in ("slots", "max_slots"):
+                opts[key] = _parse_slots(value, self.source, ln, key)
+            elif key == "port":
+                opts[key] = self.checked(safe.port, value, line=ln)
+            elif key in ("name", "host"):
+                opts["name"] = (validate_hostname(value, self.source, ln), ln)
+            elif key == "user":
+                opts[key] = self.checked(safe.user_name, value, line=ln)
+            else:
+                opts[key] = self.path_value(value, ln, key)
         return opts
 
-    defaults: dict = {}
-    ssh_config = None
-    hosts_node = None
-    for key, knode, vnode in keys_once(root):
-        if key == "defaults":
-            if not isinstance(vnode, yaml.MappingNode):
-                raise HostfileError(source, line_of(vnode), "defaults must be a mapping")
-            defaults = host_options(vnode, line_of(vnode))
-            if "name" in defaults:
-                raise HostfileError(source, line_of(vnode), "defaults cannot set a host name")
-        elif key == "ssh_config":
-            ssh_config = path_value(scalar(vnode, "ssh_config"), line_of(vnode), "ssh_config")
-        elif key == "hosts":
-            hosts_node = vnode
-        else:
-            raise HostfileError(source, line_of(knode), f"unknown key {key!r} (expected hosts, defaults, ssh_config)")
-    if hosts_node is None:
-        raise HostfileError(source, None, "no 'hosts:' list")
-    if not isinstance(hosts_node, yaml.SequenceNode) or not hosts_node.value:
-        raise HostfileError(source, line_of(hosts_node), "'hosts:' must be a non-empty list")
-
-    hosts = []
-    for item in hosts_node.value:
-        ln = line_of(item)
-        if isinstance(item, yaml.ScalarNode):
-            opts = dict(defaults, name=(validate_hostname(item.value, source, ln), ln))
-        elif isinstance(item, yaml.MappingNode):
-            opts = dict(defaults, **host_options(item, ln))
+    def host(self, item, defaults: dict) -> HostSlots:
+        """One entry of ``hosts:``: a bare name, or a mapping over the defaults."""
+        ln = self.line_of(item)
+        if isinstance(item, self.yaml.ScalarNode):
+            opts = dict(defaults, name=(validate_hostname(item.value, self.source, ln), ln))
+        elif isinstance(item, self.yaml.MappingNode):
+            opts = dict(defaults, **self.host_options(item))
             if "name" not in opts:
-                raise HostfileError(source, ln, "host entry has no 'name:'")
+                raise self.error(ln, "host entry has no 'name:'")
         else:
-            raise HostfileError(source, ln, "each host must be a name or a mapping with 'name:'")
+            raise self.error(ln, "each host must be a name or a mapping with 'name:'")
         name, _ = opts.pop("name")
         slots = opts.pop("slots", 1)
         max_slots = opts.get("max_slots")
         if max_slots is not None and max_slots < slots:
-            raise HostfileError(source, ln, f"max_slots={max_slots} is less than slots={slots}")
-        hosts.append(HostSlots(name, slots, source=f"{source}:{ln}", **opts))
-    return ClusterFile(tuple(hosts), ssh_config)
+            raise self.error(ln, f"max_slots={max_slots} is less than slots={slots}")
+        return HostSlots(name, slots, source=f"{self.source}:{ln}", **opts)
 
 
 def hostlist_size(nodelist: str) -> int:

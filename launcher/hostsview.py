@@ -9,7 +9,7 @@ from typing import Optional
 from launcher.hosts import resolve_hosts
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HostsQuery:
     host_list: Optional[str]
     hostfile: Optional[str]

@@ -4,7 +4,7 @@ dtrun writes ``<cache>/jobs/<id>/job.json`` (its pid, the hosts, the ssh config,
 Python that runs the rank wrapper) before it starts mpirun, and removes the directory
 when the job ends. The same directory (its path, on every host) is the job directory
 the rank wrappers and the collectives runtime write into (``$DTRUN_JOB_DIR``): per-rank
-state files, faulthandler dumps and flight recorders (see launcher/rankstate.py).
+state files, faulthandler dumps and flight recorders (see launcher/remote/rankstate.py).
 
 The record of a dtrun that was killed stays; it is removed only when it is provably dead,
 since the same cache directory can be seen from other pid namespaces (a container, a
@@ -29,8 +29,8 @@ from typing import Optional
 
 from launcher.errors import UsageError
 from launcher.paths import cache_dir
-from launcher.rankstate import proc_start
-from launcher.sessiondirs import alive, claim, held
+from launcher.remote.procfs import proc_start
+from launcher.remote.sessiondirs import alive, claim, held
 
 LOCK_NAME = "job.lock"
 _held: dict[str, int] = {}  # job directory -> the descriptor holding its lock (this process's jobs)

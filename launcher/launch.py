@@ -16,9 +16,10 @@ from launcher.errors import ExitCode, UsageError, signal_exit_code
 from launcher.flavors import Flavor, detect_flavor, find_mpirun
 from launcher.hosts import SLURM_SOURCE, HostSelection, all_local, is_local, resolve_hosts, resolve_np
 from launcher.netinfo import InterfaceChoice, SharedSubnet, local_address_on
+from launcher.paths import new_run_id
 from launcher.sshconf import base_ssh_config, job_ssh_files
 
-RANKEXEC = str(Path(__file__).with_name("rankexec.py"))
+RANKEXEC = str(Path(__file__).parent / "remote" / "rankexec.py")
 # Every rank's wrapper must have started by then (ssh, daemons and the wrapper's own start),
 # or the hosts they were meant for are named and the job is stopped (0 turns it off).
 DEFAULT_START_TIMEOUT_S = 120.0
@@ -37,7 +38,7 @@ def check_seconds(value: Optional[float], flag: str) -> Optional[float]:
 Preflight = Callable[..., Optional[InterfaceChoice]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LaunchOptions:
     """What the user asked for on the command line, before anything is resolved."""
 
@@ -129,19 +130,6 @@ def exclusions(user: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
     return merged, f"{', '.join(added) or 'nothing new'} from --exclude-iface, added to dtrun's default {','.join(cmd.DEFAULT_EXCLUDE)}"
 
 
-def new_run_id(now: Optional[float] = None, pid: Optional[int] = None) -> str:
-    """The subdirectory of --log-dir for one run: start time, dtrun's pid and a random part.
-
-    The time sorts the runs; the random part keeps another user of a shared DIR from
-    guessing the name and creating it first (``start_log_dir`` refuses one that exists).
-    """
-    import secrets
-    import time
-
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
-    return f"{stamp}-{os.getpid() if pid is None else pid}-{secrets.token_hex(4)}"
-
-
 @dataclass(frozen=True)
 class LocalFacts:
     """What ``make_spec`` needs from this machine's network, gathered by ``prepare`` (DNS, ``ip``)."""
@@ -193,7 +181,7 @@ def _interfaces(opts: LaunchOptions, flavor: Flavor, environ: Mapping[str, str],
 def check_usage(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, environ: Mapping[str, str]) -> int:
     """Every check of the command line that needs no network; returns the number of ranks.
 
-    ``prepare_launch`` runs it before the preflight, so a usage error (``-np 0``, more
+    ``prepare`` runs it before the preflight, so a usage error (``-np 0``, more
     ranks than slots, a bad -x or --mca, conflicting interface flags, no program) is
     reported as such (exit 2) even when a host cannot be reached; ``make_spec`` runs it
     again, so a spec is never built from unchecked options.
@@ -225,6 +213,18 @@ def check_usage(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, e
     return np
 
 
+# The variables of dtrun's environment whose presence the command depends on (LaunchSpec.env_names_set).
+_ENV_NAMES_NOTED = ("LD_LIBRARY_PATH", "NCCL_SOCKET_IFNAME", "OMPI_MCA_osc", "OMPI_MCA_pml", "OMPI_MCA_btl")
+
+
+def _launcher_address(flavor: Flavor, selection: HostSelection, include: tuple, local: LocalFacts) -> Optional[str]:
+    """Hydra's -localhost: this host's address on the subnet named, else on the one guessed here."""
+    if flavor.is_openmpi or all_local(selection.hosts):
+        return None
+    cidr = next((i for i in include if "/" in i), None) or (local.shared.cidr if local.shared else None)
+    return local_address_on(cidr, local.addresses) if cidr else None
+
+
 def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, environ: Mapping[str, str],
               choice: Optional[InterfaceChoice] = None, local: LocalFacts = LocalFacts()) -> cmd.LaunchSpec:
     """Settle every choice the command line depends on. Pure: no DNS, no ``ip``, no file written.
@@ -243,11 +243,7 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, env
     include, exclude, reason, nccl = _interfaces(opts, flavor, environ, local_only, choice, local.shared)
     if opts.include_iface or opts.exclude_iface:
         local_only = False
-    launcher_addr = None
-    if not flavor.is_openmpi and not all_local(selection.hosts):
-        # Hydra's -localhost: this host's address on the subnet named, else on the one guessed here.
-        cidr = next((i for i in include if "/" in i), None) or (local.shared.cidr if local.shared else None)
-        launcher_addr = local_address_on(cidr, local.addresses) if cidr else None
+    launcher_addr = _launcher_address(flavor, selection, include, local)
     ssh_files = job_ssh_files(selection, base_ssh_config(opts.ssh_config, selection.ssh_config, environ),
                               flavor.is_openmpi)
     tag = opts.tag_output if opts.tag_output is not None else (len(selection.hosts) > 1 and not local_only)
@@ -266,9 +262,7 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, env
         iface_reason=reason,
         local_only=local_only,
         env=tuple(opts.env),
-        env_names_set=frozenset(k for k in ("LD_LIBRARY_PATH", "NCCL_SOCKET_IFNAME", "OMPI_MCA_osc", "OMPI_MCA_pml",
-                                          "OMPI_MCA_btl")
-                                if environ.get(k)),
+        env_names_set=frozenset(k for k in _ENV_NAMES_NOTED if environ.get(k)),
         mca=tuple(opts.mca),
         mpi_args=mpi_args,
         tag_output=tag,
@@ -305,21 +299,26 @@ def local_facts(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
     return LocalFacts(shared, () if flavor.is_openmpi else tuple(local_addresses()))
 
 
-def prepare(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None, preflight: Optional[Preflight] = None):
-    """Resolve hosts and flavor, run the preflight, build the spec and the argument groups.
+@dataclass(frozen=True)
+class PreparedLaunch:
+    """Everything settled before a job starts: what ``--dry-run`` prints and a launch runs."""
+
+    selection: HostSelection
+    flavor: Flavor
+    spec: cmd.LaunchSpec
+    groups: list  # the command, as ArgGroup(args, why)
+    choice: object  # launcher.slurm's launcher choice: srun or mpirun, and why
+
+
+def prepare(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None,
+            preflight: Optional[Preflight] = None) -> PreparedLaunch:
+    """Resolve hosts and flavor, choose srun or mpirun, run the preflight, build the spec and the command.
 
     ``preflight`` (given by the CLI: ``checks.preflight.preflight``) checks the hosts of a
     multi-host launch and returns an ``InterfaceChoice`` or None; it raises when a host
     would hang the job. A dry run goes through the same steps, so it prints the command a
     real launch of the same arguments would run.
     """
-    selection, flavor, spec, groups, _ = prepare_launch(opts, environ, preflight)
-    return selection, flavor, spec, groups
-
-
-def prepare_launch(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None,
-                   preflight: Optional[Preflight] = None):
-    """As ``prepare``, plus the launcher choice (srun or mpirun, and why)."""
     from launcher import slurm
 
     environ = os.environ if environ is None else environ
@@ -329,27 +328,36 @@ def prepare_launch(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = N
         warn(w)
     flavor = detect_flavor(find_mpirun(opts.mpirun, environ), write_cache=not opts.dry_run)
     launcher_choice = slurm.choose_launcher(opts.launcher, flavor, selection.source == SLURM_SOURCE, environ)
-    in_slurm = launcher_choice.allocation is not None and selection.source == SLURM_SOURCE
     check_usage(opts, flavor, selection, environ)  # before any network step: a usage error is not a host's
-    choice = None
-    if opts.preflight and not all_local(selection.hosts):
-        if in_slurm:
-            # Inside the allocation Slurm starts everything (srun, or mpirun's daemons through
-            # srun): many sites block ssh to compute nodes, so check the Slurm side instead.
-            # It changes nothing in the command, so a dry run skips it.
-            if not opts.dry_run:
-                slurm.check_step(launcher_choice.srun or slurm.find_srun(environ) or "srun", selection.names)
-        elif preflight is not None:
-            choice = preflight(opts, selection, flavor, environ)  # raises PreflightError on a known hang
+    choice = _preflight(opts, selection, flavor, launcher_choice, environ, preflight)
     spec = make_spec(opts, flavor, selection, environ, choice, local_facts(opts, flavor, selection, choice, environ))
     if launcher_choice.launcher == "srun":
         groups = slurm.build_srun_groups(spec, flavor, launcher_choice.plugins,
                                          launcher_choice.allocation.cpus_per_task, launcher_choice.srun)
-        return selection, flavor, spec, groups, launcher_choice
+        return PreparedLaunch(selection, flavor, spec, groups, launcher_choice)
     if len(selection.hosts) > cmd.tree_radix(environ) and not spec.no_tree_spawn and flavor.is_openmpi:
         warn(f"{len(selection.hosts)} hosts: Open MPI spawns daemons through a tree, so inner hosts must ssh to "
              "others; pass --no-tree-spawn if only this host has ssh access to all")
-    return selection, flavor, spec, cmd.build_groups(spec, flavor), launcher_choice
+    return PreparedLaunch(selection, flavor, spec, cmd.build_groups(spec, flavor), launcher_choice)
+
+
+def _preflight(opts: LaunchOptions, selection: HostSelection, flavor: Flavor, launcher_choice,
+               environ: Mapping[str, str], preflight: Optional[Preflight]) -> Optional[InterfaceChoice]:
+    """Check the hosts of a multi-host launch: the interface choice the preflight returns, or None."""
+    from launcher import slurm
+
+    if not opts.preflight or all_local(selection.hosts):
+        return None
+    if launcher_choice.allocation is not None and selection.source == SLURM_SOURCE:
+        # Inside the allocation Slurm starts everything (srun, or mpirun's daemons through
+        # srun): many sites block ssh to compute nodes, so check the Slurm side instead.
+        # It changes nothing in the command, so a dry run skips it.
+        if not opts.dry_run:
+            slurm.check_step(launcher_choice.srun or slurm.find_srun(environ) or "srun", selection.names)
+        return None
+    if preflight is not None:
+        return preflight(opts, selection, flavor, environ)  # raises PreflightError on a known hang
+    return None
 
 
 def describe(opts: LaunchOptions, selection, flavor: Flavor, spec: cmd.LaunchSpec, groups, notes=(),
@@ -434,7 +442,7 @@ def launch(opts: LaunchOptions, preflight: Optional[Preflight] = None, host_chec
     from launcher import restarts
 
     # One attempt, or with --max-restarts several, each in a job directory of its own where
-    # ranks leave state for `dtrun stacks` (launcher/rankstate.py).
+    # ranks leave state for `dtrun stacks` (launcher/remote/rankstate.py).
     return restarts.run(opts, _attempt, preflight, host_check)
 
 
@@ -449,56 +457,26 @@ def _attempt(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Pr
     which first checks the hosts (a signal still cleans up here)."""
     import time
 
-    from launcher import slurm
     from launcher.restarts import Attempt
 
-    selection, flavor, spec, groups, choice = prepare_launch(opts, preflight=preflight)
-    notes = slurm.srun_notes(spec, flavor) if choice.launcher == "srun" else cmd.flavor_notes(spec, flavor)
+    prepared = prepare(opts, preflight=preflight)
+    selection, spec, choice = prepared.selection, prepared.spec, prepared.choice
     if opts.dry_run:
-        print(describe(opts, selection, flavor, spec, groups, notes, choice))
-        for f in spec.ssh_files:
-            print(f"# a launch first writes {f.path} (--dry-run wrote nothing):")
-            print("\n".join(f"#   {line}" for line in f.text.splitlines()))
+        print(dry_run_text(opts, prepared))
         return Attempt(ExitCode.OK)
-    if opts.verbose:
-        print("\n".join(f"dtrun: {line}" for line in describe(opts, selection, flavor, spec, groups, notes, choice).splitlines()),
-              file=sys.stderr, flush=True)
-    for f in spec.ssh_files:
-        f.write()
-    for n in notes:
-        warn(n)
-    from launcher.allocwatch import ended_message, ended_state, watch_allocation
-    from launcher.run import expected_hosts, failure_summary, run_job
+    _before_start(opts, prepared)
+    from launcher.allocwatch import watch_allocation
+    from launcher.job.result import expected_hosts
+    from launcher.job.summary import failure_summary
+    from launcher.job.supervisor import run_job
 
-    if spec.log_dir:
-        start_log_dir(spec.log_dir)
-    argv = [a for g in groups for a in g.args]
-    # Open MPI 5 refuses to start an mpirun or daemon whose pid a killed job's session
-    # directory still names (launcher/sessiondirs.py): clear this host's before and after.
-    sweep = flavor.is_openmpi and flavor.major >= 5 and choice.launcher != "srun"
-    if sweep:
-        from launcher import sessiondirs
-
-        sessiondirs.sweep()
-        # mpirun's own directory is locked while it runs: only then may a sweep from any pid
-        # namespace that shares this temporary directory tell it from a killed job's.
-        observers = tuple(observers) + (sessiondirs.LauncherLock(),)
-    monitor = None
-    if job_dir is not None:
-        from launcher import jobstate
-        from launcher.hangwatch import Monitor
-
-        job = jobstate.write(job_dir, [h.host for h in selection.hosts], spec.np, spec.ssh_config, spec.log_dir,
-                             flavor.label, spec.program)
-        monitor = Monitor(job, opts.hang_timeout, opts.on_hang)
-        from launcher.straggler import StragglerWatch
-
-        observers = tuple(observers) + (StragglerWatch(job, top=opts.top),)  # the straggler finding at the end
+    sweep = _sweeps_session_dirs(prepared)
+    observers, monitor = _observers(opts, prepared, job_dir, tuple(observers), sweep)
     expected = expected_hosts(spec.hosts, spec.np) if spec.rank_wrapper else []
     stop_watch = watch_allocation(choice.allocation.job_id, environ=os.environ) if choice.allocation else None
     started = time.monotonic()
     try:
-        result = run_job(argv, timeout=check_seconds(opts.timeout, "--timeout"),
+        result = run_job([a for g in prepared.groups for a in g.args], timeout=check_seconds(opts.timeout, "--timeout"),
                          start_timeout=check_seconds(opts.start_timeout, "--start-timeout"), expected=expected,
                          monitor=monitor, observers=observers)
     finally:
@@ -507,44 +485,143 @@ def _attempt(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Pr
     attempt = Attempt(0, result, tuple(expected_hosts(spec.hosts, spec.np)), tuple(h.host for h in spec.hosts),
                       monitor.job if monitor is not None else None, srun=choice.launcher == "srun",
                       in_slurm=choice.allocation is not None, elapsed=time.monotonic() - started, selection=selection)
-    cleanup = cleanup or result.interrupted
-    attempt.cleaned = cleanup
-    if cleanup and monitor is not None and (result.hung or (result.stopped and choice.launcher != "srun")):
+    attempt.cleaned = cleanup or result.interrupted
+    _clean_up(prepared, result, monitor, attempt.cleaned, sweep)
+    if _ended_by_slurm(prepared, result, attempt):
+        return attempt
+    if tree_spawn_failure(result, spec, prepared.flavor, len(selection.hosts), choice.launcher):
+        result.notes.append(tree_spawn_note(len(selection.hosts)))
+    if result.returncode != 0 or result.notes:
+        print(failure_summary(result, spec.log_dir, opts.on_hang), file=sys.stderr)
+    attempt.code = result.returncode
+    return attempt
+
+
+def _notes(prepared: PreparedLaunch) -> list[str]:
+    """The warnings of this MPI (or srun) for this spec, shown before the job and in --dry-run."""
+    from launcher import slurm
+
+    if prepared.choice.launcher == "srun":
+        return slurm.srun_notes(prepared.spec, prepared.flavor)
+    return cmd.flavor_notes(prepared.spec, prepared.flavor)
+
+
+def dry_run_text(opts: LaunchOptions, prepared: PreparedLaunch) -> str:
+    """What --dry-run prints: the command with its reasons, then the ssh files a launch would write."""
+    lines = [describe(opts, prepared.selection, prepared.flavor, prepared.spec, prepared.groups, _notes(prepared),
+                      prepared.choice)]
+    for f in prepared.spec.ssh_files:
+        lines.append(f"# a launch first writes {f.path} (--dry-run wrote nothing):")
+        lines.append("\n".join(f"#   {line}" for line in f.text.splitlines()))
+    return "\n".join(lines)
+
+
+def _before_start(opts: LaunchOptions, prepared: PreparedLaunch) -> None:
+    """--verbose's account, the ssh files, the MPI's warnings and the log directory."""
+    notes = _notes(prepared)
+    if opts.verbose:
+        text = describe(opts, prepared.selection, prepared.flavor, prepared.spec, prepared.groups, notes,
+                        prepared.choice)
+        print("\n".join(f"dtrun: {line}" for line in text.splitlines()), file=sys.stderr, flush=True)
+    for f in prepared.spec.ssh_files:
+        f.write()
+    for n in notes:
+        warn(n)
+    if prepared.spec.log_dir:
+        start_log_dir(prepared.spec.log_dir)
+
+
+def _sweeps_session_dirs(prepared: PreparedLaunch) -> bool:
+    """Whether to clear this host's stale Open MPI 5 session directories before and after the job.
+
+    Open MPI 5 refuses to start an mpirun or daemon whose pid a killed job's session
+    directory still names (launcher/remote/sessiondirs.py).
+    """
+    flavor = prepared.flavor
+    sweep = flavor.is_openmpi and flavor.major >= 5 and prepared.choice.launcher != "srun"
+    if sweep:
+        from launcher.remote import sessiondirs
+
+        sessiondirs.sweep()
+    return sweep
+
+
+def _observers(opts: LaunchOptions, prepared: PreparedLaunch, job_dir: Optional[str], observers: tuple,
+               sweep: bool):
+    """(the job's observers, the hang monitor or None): what watches the job beside run_job."""
+    if sweep:
+        from launcher.remote import sessiondirs
+
+        # mpirun's own directory is locked while it runs: only then may a sweep from any pid
+        # namespace that shares this temporary directory tell it from a killed job's.
+        observers += (sessiondirs.LauncherLock(),)
+    if job_dir is None:
+        return observers, None
+    from launcher import jobstate
+    from launcher.hangwatch import Monitor
+    from launcher.straggler import StragglerWatch
+    from launcher.top import live_table
+
+    spec = prepared.spec
+    job = jobstate.write(job_dir, [h.host for h in prepared.selection.hosts], spec.np, spec.ssh_config, spec.log_dir,
+                         prepared.flavor.label, spec.program)
+    monitor = Monitor(job, opts.hang_timeout, opts.on_hang)
+    return observers + (StragglerWatch(job, table=live_table if opts.top else None),), monitor  # the straggler finding at the end
+
+
+def _clean_up(prepared: PreparedLaunch, result, monitor, cleanup: bool, sweep: bool) -> None:
+    """Stop what a stopped job left on the hosts, sweep session directories, set srun's exit code."""
+    srun = prepared.choice.launcher == "srun"
+    if cleanup and monitor is not None and (result.hung or (result.stopped and not srun)):
         # Nothing of a job dtrun stopped may stay behind on any host: an MPI daemon can outlive
-        # an mpirun that had to be killed (seen with Open MPI 5's prted on a loaded machine).
+        # an mpirun that had to be killed (Open MPI 5's prted on a loaded machine does).
         # Under srun, Slurm ends the step's processes itself (and ssh may be blocked there).
         # A signal leaves little time (dtrun exits within about 5 s of SIGTERM); a time limit
         # or --on-hang abort more.
         monitor.kill_leftovers(budget=1.5 if result.interrupted else 5.0)
     if sweep:
+        from launcher.remote import sessiondirs
+
         removed = sessiondirs.sweep()
         if result.pmix_refused:
-            result.notes.append(
-                f"Open MPI's PMIx would not start on {result.pmix_refused} and no rank started: the usual cause is "
-                "a session directory that a killed job left in that host's temporary directory (ompi.PID, prted.PID) "
-                "naming the pid the new mpirun or daemon was given, which PMIx 5.0 does not reclaim. dtrun removes "
-                "such directories on this machine at every launch" + (f" ({len(removed)} just now)" if removed else "")
-                + " and each host's rank wrapper removes them during every job: run the job again (a new daemon "
-                "gets a new pid)")
-    if choice.launcher == "srun":
+            result.notes.append(pmix_refused_note(result.pmix_refused, len(removed)))
+    if srun:
+        from launcher import slurm
+
         result.returncode = slurm.srun_exit_code(result)
-    ended = ended_state(choice.allocation.job_id) if choice.allocation and not result.interrupted else None
-    if ended:
-        # Slurm stopped the ranks: that, not the first rank it killed, is the cause. Open MPI 5's
-        # mpirun was seen to exit 0 when scancel killed its daemons' step; a killed job never exits 0.
-        print(ended_message(choice.allocation.job_id, ended, "the job was stopped"), file=sys.stderr)
-        attempt.code, attempt.ended = result.returncode or signal_exit_code(signal.SIGTERM), True
-        return attempt
-    if tree_spawn_failure(result, spec, flavor, len(selection.hosts), choice.launcher):
-        result.notes.append(
-            f"{len(selection.hosts)} hosts: Open MPI's daemons start each other over ssh (tree spawn), and mpirun "
+
+
+def _ended_by_slurm(prepared: PreparedLaunch, result, attempt) -> bool:
+    """Whether Slurm ended the allocation under the job; if so, say so and set the attempt's code."""
+    from launcher.allocwatch import ended_message, ended_state
+
+    allocation = prepared.choice.allocation
+    ended = ended_state(allocation.job_id) if allocation and not result.interrupted else None
+    if not ended:
+        return False
+    # Slurm stopped the ranks: that, not the first rank it killed, is the cause. Open MPI 5's
+    # mpirun can exit 0 when scancel killed its daemons' step; a killed job never exits 0.
+    print(ended_message(allocation.job_id, ended, "the job was stopped"), file=sys.stderr)
+    attempt.code, attempt.ended = result.returncode or signal_exit_code(signal.SIGTERM), True
+    return True
+
+
+def pmix_refused_note(host: str, removed: int) -> str:
+    """The failure summary's note when PMIx would not start on ``host`` and no rank started."""
+    return (f"Open MPI's PMIx would not start on {host} and no rank started: the usual cause is "
+            "a session directory that a killed job left in that host's temporary directory (ompi.PID, prted.PID) "
+            "naming the pid the new mpirun or daemon was given, which PMIx 5.0 does not reclaim. dtrun removes "
+            "such directories on this machine at every launch" + (f" ({removed} just now)" if removed else "")
+            + " and each host's rank wrapper removes them during every job: run the job again (a new daemon "
+            "gets a new pid)")
+
+
+def tree_spawn_note(hosts: int) -> str:
+    """The failure summary's note when mpirun failed silently before any rank under tree spawn."""
+    return (f"{hosts} hosts: Open MPI's daemons start each other over ssh (tree spawn), and mpirun "
             "failed before any rank started; a host that cannot ssh to its children fails a launch this way "
             "(Open MPI 5 says nothing about it, 4.1 prints the ssh error with the child's address only): "
             "`dtrun doctor` names the pair, --no-tree-spawn starts every daemon from this host")
-    if result.returncode != 0 or result.notes:
-        print(failure_summary(result, spec.log_dir, opts.on_hang), file=sys.stderr)
-    attempt.code = result.returncode
-    return attempt
 
 
 def tree_spawn_failure(result, spec: cmd.LaunchSpec, flavor: Flavor, hosts: int, launcher: str) -> bool:

@@ -1,8 +1,9 @@
-"""Where dtrun keeps its caches (flavor detection, generated ssh configs, preflight results)."""
+"""Where dtrun keeps its files: caches (flavor detection, ssh configs, preflight results), run ids."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
 
 
 def cache_dir() -> Path:
@@ -36,3 +37,16 @@ def atomic_write(path: Path | str, text: str, mode: int = 0o600) -> None:
         except OSError:
             pass
         raise
+
+
+def new_run_id(now: Optional[float] = None, pid: Optional[int] = None) -> str:
+    """The subdirectory of --log-dir for one run: start time, dtrun's pid and a random part.
+
+    The time sorts the runs; the random part keeps another user of a shared DIR from
+    guessing the name and creating it first (``start_log_dir`` refuses one that exists).
+    """
+    import secrets
+    import time
+
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return f"{stamp}-{os.getpid() if pid is None else pid}-{secrets.token_hex(4)}"

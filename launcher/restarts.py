@@ -111,7 +111,7 @@ class Failure:
 
 
 class ErrorWatch:
-    """A job observer (launcher.run.JobObserver) that keeps the last Python exception a rank
+    """A job observer (launcher.job.observer.JobObserver) that keeps the last Python exception a rank
     printed: its type and innermost frame tell one program bug from another."""
 
     def __init__(self, lines: int = 400):
@@ -156,10 +156,10 @@ def last_exception(lines: Sequence[str]) -> Optional[tuple[str, str]]:
 
 def failure_of(result, exception: Optional[tuple[str, str]] = None, on_hang: str = "report",
                timed_out: bool = False) -> Failure:
-    """The failure of one attempt from its ``launcher.run.JobResult`` (and the last exception
+    """The failure of one attempt from its ``launcher.job.result.JobResult`` (and the last exception
     a rank printed), and whether a restart may help."""
     from launcher.errors import signal_name
-    from launcher.run import root_cause
+    from launcher.job.result import root_cause
 
     if result.interrupted:
         return Failure(f"stopped by {signal_name(result.signum or signal.SIGINT)}", ("signal",), (), False,
@@ -243,7 +243,7 @@ class Attempt:
     """What ``launch._attempt`` hands back: dtrun's exit code and what the loop needs."""
 
     code: int
-    result: object = None  # launcher.run.JobResult (None for a dry run)
+    result: object = None  # launcher.job.result.JobResult (None for a dry run)
     rank_hosts: tuple[str, ...] = ()
     hosts: tuple[str, ...] = ()
     job: object = None  # launcher.jobstate.JobInfo, for the clean-up
@@ -273,7 +273,7 @@ class _Stopped(Exception):
 def _on_stop_signals():
     """Between attempts a stop signal ends the run at once (no further attempt); returns the
     previous handlers."""
-    from launcher.run import STOP_SIGNALS
+    from launcher.job.supervisor import STOP_SIGNALS
 
     def handler(signum, _frame):
         raise _Stopped(signum)
@@ -330,104 +330,15 @@ def run(opts, attempt: Callable[..., Attempt], preflight=None, host_check: Optio
     """Run the job, and with ``--max-restarts N`` restart it up to N times without the hosts
     that fail the check. ``attempt(opts, job_dir, preflight, observers, cleanup)`` runs one
     attempt (``launch._attempt``). Returns dtrun's exit code."""
-    from launcher import jobstate
-    from launcher.hosts import all_local, resolve_hosts, resolve_np
-
     environ = os.environ if environ is None else environ
-    restarts = opts.max_restarts > 0
     check_options(opts, None)
-    selection = plan = None
-    spares: tuple[HostSlots, ...] = ()
-    min_np = np = None
-    first: tuple[str, ...] = ()
-    if restarts:
-        selection = resolve_hosts(opts.host_list, opts.hostfile, opts.cluster, opts.include, opts.exclude, environ)
-        spares, min_np = check_options(opts, selection)
-        np = resolve_np(opts.np, selection, opts.oversubscribe)
-        if min_np is not None and min_np > np:
-            raise UsageError(f"--min-np {min_np} is more than -np {np}")
-        plan = plan_hosts(selection.hosts, (), (), np, None, opts.oversubscribe)
-        first = tuple(h.host for h in plan.hosts)
-    base_id = opts.run_id or (_new_run_id() if opts.log_dir else None)
-    left_out: dict[str, str] = {}
-    previous: Optional[Failure] = None
-    total = opts.max_restarts + 1
-    n = 0
-    old = _on_stop_signals() if restarts else {}
+    loop = _Attempts(opts, attempt, preflight, host_check, environ, timings)
+    old = _on_stop_signals() if loop.restarts else {}
     try:
         while True:
-            job_dir = jobstate.new_dir()
-            try:
-                watch = ErrorWatch()
-                a_opts = opts
-                if restarts:
-                    a_opts = replace(opts, job_dir=job_dir, selection=replace(selection, hosts=plan.hosts),
-                                     np=str(plan.np),
-                                     env=tuple(opts.env) + (f"DTRUN_RESTART_COUNT={n}", f"TORCHELASTIC_RESTART_COUNT={n}"),
-                                     run_id=f"{base_id}-attempt-{n + 1}" if base_id else opts.run_id)
-                else:
-                    a_opts = replace(opts, job_dir=job_dir)
-                if timings is not None and n > 0:
-                    timings.relaunched.append(time.monotonic())
-                att = attempt(a_opts, job_dir, preflight, (watch,), not restarts)
-                ended_at = time.monotonic()
-                if timings is not None:
-                    timings.detected.append(ended_at)
-                if att.code == 0 or att.result is None:
-                    return att.code
-                timed_out = opts.timeout is not None and att.elapsed >= opts.timeout
-                failure = failure_of(att.result, watch.exception(), opts.on_hang, timed_out)
-                if att.ended:
-                    failure = replace(failure, restartable=False, reason="Slurm stopped the job")
-                used = att.selection if att.selection is not None else selection
-                candidates = [h for h in used.hosts if h.host in att.hosts] if used is not None else []
-                if restarts and failure.restartable:
-                    # spares too: one that cannot be reached must not be the next attempt's
-                    candidates = [h for h in list(selection.hosts) + list(spares) if h.host not in left_out]
-                bad: dict[str, str] = {}
-                t0 = time.monotonic()
-                if host_check is not None and candidates and not all_local(candidates) \
-                        and (failure.restartable or not restarts) and not att.result.interrupted \
-                        and not att.result.stdout_closed and not att.ended:
-                    bad = dict(host_check(a_opts, used, candidates, environ))
-                if timings is not None:
-                    timings.check.append(time.monotonic() - t0)
-                for line in lost_host_lines({h: w for h, w in bad.items() if h in att.hosts}, att.rank_hosts):
-                    _say(line)
-                t0 = time.monotonic()
-                if restarts and not att.cleaned:
-                    _cleanup(att, [h for h in att.hosts if h not in bad])
-                if timings is not None:
-                    timings.cleanup.append(time.monotonic() - t0)
-                if not restarts:
-                    return att.code
-                if not failure.restartable:
-                    return att.code
-                if same_failure_twice(previous, failure, not bad):
-                    _say(f"dtrun: not restarting: the same failure twice in a row ({failure.what}) while every "
-                         f"host passed the check: the program's own error; fix it and run again (exit code "
-                         f"{att.code}, the job's own)")
-                    return att.code
-                previous = None if bad else failure
-                if n + 1 >= total:
-                    _say(f"dtrun: not restarting: all {total} attempts (--max-restarts {opts.max_restarts}) failed; "
-                         f"the last: {failure.what} (exit code {int(ExitCode.RESTARTS)})")
-                    return ExitCode.RESTARTS
-                left_out.update(bad)
-                try:
-                    plan = plan_hosts(selection.hosts, spares, list(left_out), np, min_np, opts.oversubscribe, first)
-                except NotEnoughSlots as exc:
-                    _say(f"dtrun: not restarting: {exc}; {failure.what} (exit code {int(ExitCode.RESTARTS)}); "
-                         f"add hosts with --spares, or let the job go on with fewer ranks with --min-np")
-                    return ExitCode.RESTARTS
-                n += 1
-                if att.srun and att.in_slurm:
-                    # The failed step keeps its CPUs until Slurm hears from the lost node (SlurmdTimeout):
-                    # the next step shares them (--overlap); the host check was the Slurm preflight.
-                    opts = replace(opts, preflight=False, mpi_args=" ".join(filter(None, (opts.mpi_args, "--overlap"))))
-                _say(attempt_line(n + 1, total, failure, {h: w for h, w in bad.items()}, plan))
-            finally:
-                jobstate.remove(job_dir)
+            code = loop.one()
+            if code is not None:
+                return code
     except _Stopped as exc:
         from launcher.errors import signal_name
 
@@ -438,8 +349,130 @@ def run(opts, attempt: Callable[..., Attempt], preflight=None, host_check: Optio
             signal.signal(s, h)
 
 
+class _Attempts:
+    """The attempts of one run: the hosts planned, those left out and why, the failure of
+    the attempt before (a failure twice in a row on good hosts is the program's own)."""
+
+    def __init__(self, opts, attempt, preflight, host_check: Optional[HostCheck], environ, timings):
+        from launcher.hosts import resolve_hosts, resolve_np
+
+        self.opts, self.attempt, self.preflight = opts, attempt, preflight
+        self.host_check, self.environ, self.timings = host_check, environ, timings
+        self.restarts = opts.max_restarts > 0
+        self.selection = self.plan = None
+        self.spares: tuple[HostSlots, ...] = ()
+        self.min_np = self.np = None
+        self.first: tuple[str, ...] = ()
+        if self.restarts:
+            self.selection = resolve_hosts(opts.host_list, opts.hostfile, opts.cluster, opts.include,
+                                           opts.exclude, environ)
+            self.spares, self.min_np = check_options(opts, self.selection)
+            self.np = resolve_np(opts.np, self.selection, opts.oversubscribe)
+            if self.min_np is not None and self.min_np > self.np:
+                raise UsageError(f"--min-np {self.min_np} is more than -np {self.np}")
+            self.plan = plan_hosts(self.selection.hosts, (), (), self.np, None, opts.oversubscribe)
+            self.first = tuple(h.host for h in self.plan.hosts)
+        self.base_id = opts.run_id or (_new_run_id() if opts.log_dir else None)
+        self.left_out: dict[str, str] = {}
+        self.previous: Optional[Failure] = None
+        self.total = opts.max_restarts + 1
+        self.n = 0
+
+    def _opts(self, job_dir):
+        """The options of attempt ``n``: its hosts, rank count, restart count and run id."""
+        opts, n = self.opts, self.n
+        if not self.restarts:
+            return replace(opts, job_dir=job_dir)
+        return replace(opts, job_dir=job_dir, selection=replace(self.selection, hosts=self.plan.hosts),
+                       np=str(self.plan.np),
+                       env=tuple(opts.env) + (f"DTRUN_RESTART_COUNT={n}", f"TORCHELASTIC_RESTART_COUNT={n}"),
+                       run_id=f"{self.base_id}-attempt-{n + 1}" if self.base_id else opts.run_id)
+
+    def one(self) -> Optional[int]:
+        """Run one attempt; dtrun's exit code when the run is over, None to go on."""
+        from launcher import jobstate
+
+        job_dir = jobstate.new_dir()
+        try:
+            watch = ErrorWatch()
+            a_opts = self._opts(job_dir)
+            if self.timings is not None and self.n > 0:
+                self.timings.relaunched.append(time.monotonic())
+            att = self.attempt(a_opts, job_dir, self.preflight, (watch,), not self.restarts)
+            if self.timings is not None:
+                self.timings.detected.append(time.monotonic())
+            if att.code == 0 or att.result is None:
+                return att.code
+            timed_out = self.opts.timeout is not None and att.elapsed >= self.opts.timeout
+            failure = failure_of(att.result, watch.exception(), self.opts.on_hang, timed_out)
+            if att.ended:
+                failure = replace(failure, restartable=False, reason="Slurm stopped the job")
+            bad = self._check_hosts(att, a_opts, failure)
+            t0 = time.monotonic()
+            if self.restarts and not att.cleaned:
+                _cleanup(att, [h for h in att.hosts if h not in bad])
+            if self.timings is not None:
+                self.timings.cleanup.append(time.monotonic() - t0)
+            return self._next(att, failure, bad)
+        finally:
+            jobstate.remove(job_dir)
+
+    def _check_hosts(self, att: Attempt, a_opts, failure: Failure) -> dict[str, str]:
+        """The hosts that fail the check after this failure (host -> why), each lost one said."""
+        from launcher.hosts import all_local
+
+        used = att.selection if att.selection is not None else self.selection
+        candidates = [h for h in used.hosts if h.host in att.hosts] if used is not None else []
+        if self.restarts and failure.restartable:
+            # spares too: one that cannot be reached must not be the next attempt's
+            candidates = [h for h in list(self.selection.hosts) + list(self.spares) if h.host not in self.left_out]
+        bad: dict[str, str] = {}
+        t0 = time.monotonic()
+        if self.host_check is not None and candidates and not all_local(candidates) \
+                and (failure.restartable or not self.restarts) and not att.result.interrupted \
+                and not att.result.stdout_closed and not att.ended:
+            bad = dict(self.host_check(a_opts, used, candidates, self.environ))
+        if self.timings is not None:
+            self.timings.check.append(time.monotonic() - t0)
+        for line in lost_host_lines({h: w for h, w in bad.items() if h in att.hosts}, att.rank_hosts):
+            _say(line)
+        return bad
+
+    def _next(self, att: Attempt, failure: Failure, bad: dict[str, str]) -> Optional[int]:
+        """After a failed attempt: the exit code when no attempt follows, else None (the plan
+        of the next attempt made and said)."""
+        if not self.restarts or not failure.restartable:
+            return att.code
+        if same_failure_twice(self.previous, failure, not bad):
+            _say(f"dtrun: not restarting: the same failure twice in a row ({failure.what}) while every "
+                 f"host passed the check: the program's own error; fix it and run again (exit code "
+                 f"{att.code}, the job's own)")
+            return att.code
+        self.previous = None if bad else failure
+        if self.n + 1 >= self.total:
+            _say(f"dtrun: not restarting: all {self.total} attempts (--max-restarts {self.opts.max_restarts}) "
+                 f"failed; the last: {failure.what} (exit code {int(ExitCode.RESTARTS)})")
+            return ExitCode.RESTARTS
+        self.left_out.update(bad)
+        try:
+            self.plan = plan_hosts(self.selection.hosts, self.spares, list(self.left_out), self.np, self.min_np,
+                                   self.opts.oversubscribe, self.first)
+        except NotEnoughSlots as exc:
+            _say(f"dtrun: not restarting: {exc}; {failure.what} (exit code {int(ExitCode.RESTARTS)}); "
+                 f"add hosts with --spares, or let the job go on with fewer ranks with --min-np")
+            return ExitCode.RESTARTS
+        self.n += 1
+        if att.srun and att.in_slurm:
+            # The failed step keeps its CPUs until Slurm hears from the lost node (SlurmdTimeout):
+            # the next step shares them (--overlap); the host check was the Slurm preflight.
+            self.opts = replace(self.opts, preflight=False,
+                                mpi_args=" ".join(filter(None, (self.opts.mpi_args, "--overlap"))))
+        _say(attempt_line(self.n + 1, self.total, failure, dict(bad), self.plan))
+        return None
+
+
 def _new_run_id() -> str:
-    from launcher.launch import new_run_id
+    from launcher.paths import new_run_id
 
     return new_run_id()
 

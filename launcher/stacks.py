@@ -1,6 +1,6 @@
 """Every rank's stack on every host, and the roll-call report that names the odd ones out.
 
-``collect(job)`` runs launcher/stackagent.py on each host of the job (through ssh, or
+``collect(job)`` runs launcher/remote/agent.py on each host of the job (through ssh, or
 directly on this one), all hosts at once, each with a time limit: a host that does not
 answer is named in the report, never waited on. ``roll_call(...)`` is pure: it groups the
 ranks by where they are (the innermost frame of the user's code; for users of the
@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 from launcher.hosts import is_local
 from launcher.jobstate import JobInfo
 
-AGENT = str(Path(__file__).with_name("stackagent.py"))
+AGENT = str(Path(__file__).parent / "remote" / "agent.py")
 _RUNTIME_DIR = str(Path(__file__).resolve().parent.parent / "collectives") + os.sep
 _LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/mpi4py/", "<frozen ")
 _CALL_RE = re.compile(r"([A-Za-z_][\w.]*)\s*\(")

@@ -2,8 +2,8 @@
 
 In synchronous data-parallel work every collective waits for the slowest rank, so the
 rank that waits little while the others wait a lot is the one they wait for. Each rank's
-waiting is measured by that rank's own host (launcher/waitsampler.py, run on every host
-by ``stackagent.py sample`` over the one ssh connection per host): the time inside
+waiting is measured by that rank's own host (launcher/remote/waitsampler.py, run on every host
+by ``agent.py sample`` over the one ssh connection per host): the time inside
 collectives from the bundled runtime's flight recorder, or the share of py-spy (or
 faulthandler) samples inside MPI, torch.distributed or NCCL calls. Only shares measured
 on each rank's own host are compared, never times across hosts.
@@ -337,7 +337,7 @@ def report_text(finding: Optional[Finding], totals: Sequence[RankTotals], headli
 # ------------------------------------------------------------------ the agents
 
 class SampleStream:
-    """``stackagent.py sample`` on every host of the job at once, one line per window each."""
+    """``agent.py sample`` on every host of the job at once, one line per window each."""
 
     def __init__(self, job: JobInfo, window: float = WINDOW_S, rate: float = RATE_HZ, once: bool = False,
                  on_sample: Optional[Callable[[HostSample], None]] = None, connect_timeout: float = 5.0):
@@ -440,12 +440,14 @@ def enabled(environ=os.environ) -> bool:
 
 
 class StragglerWatch:
-    """A job observer (launcher/run.py's JobObserver): samples every rank while the job runs,
-    prints the finding when it ends; with ``top`` also the live table on stderr."""
+    """A job observer (launcher.job.observer.JobObserver): samples every rank while the job runs,
+    prints the finding when it ends; with ``table`` also the live table on stderr:
+    ``table(job, latest, totals, confirm)`` is its text (``launcher.top.live_table``)."""
 
-    def __init__(self, job: JobInfo, top: bool = False, out: Callable[[str], None] = None,
-                 min_run: float = MIN_RUN_S):
-        self.job, self.top, self.min_run = job, top, min_run
+    def __init__(self, job: JobInfo, table: Optional[Callable[..., str]] = None,
+                 out: Callable[[str], None] = None, min_run: float = MIN_RUN_S):
+        self.job, self.min_run = job, min_run
+        self.table, self.top = table, table is not None
         self.out = out or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
         self.totals: dict[int, RankTotals] = {}
         self.recent = Recent()
@@ -460,7 +462,7 @@ class StragglerWatch:
         self._timer: Optional[threading.Timer] = None
         self._stop = threading.Event()
         self._shown = 0.0  # when the live table was last printed (--top)
-        self.active = top or (job.np >= 2 and enabled())
+        self.active = self.top or (job.np >= 2 and enabled())
 
     def on_start(self, _job) -> None:
         self._t0 = time.monotonic()
@@ -499,15 +501,13 @@ class StragglerWatch:
             if count:
                 accumulate(self.totals, sample)
         self.recent.add(sample)
-        if self.top and self._stream is not None:
-            from launcher.top import render, view
-
+        if self.table is not None and self._stream is not None:
             latest = self._stream.latest()
             now = time.monotonic()
             # once a window (each host's line arrives on its own), when every host has answered
             if all(h in latest for h in self._stream.hosts) and now - self._shown >= 0.8 * self._stream.window:
                 self._shown = now
-                text = render(view(self.job, latest, self.recent.totals(), confirm=self.confirmed))
+                text = self.table(self.job, latest, self.recent.totals(), self.confirmed)
                 self.out(("\x1b[H\x1b[2J" if sys.stderr.isatty() else "") + text)
 
     def on_end(self, result) -> None:

@@ -16,6 +16,7 @@ import sys
 from typing import Optional
 
 from launcher.errors import UsageError
+from launcher.optargs import no_such_option, take_option
 
 TOOLS = {"smoke": "collectives.smoke", "bench": "collectives.bench"}
 
@@ -41,8 +42,6 @@ def parser_table(parser) -> dict[str, int]:
 
 def split_tool_argv(tool: str, argv: list[str], launch: dict[str, int], own: dict[str, int]):
     """(launch options, tool arguments); everything after ``--`` goes to the tool."""
-    from launcher.cli import no_such_option, take_option
-
     launch_args, tool_args, i = [], [], 0
     while i < len(argv):
         a = argv[i]

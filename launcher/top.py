@@ -1,6 +1,6 @@
 """`dtrun top [JOB]`: a live table of a running job, one row per rank (per host beyond
 ``GROUP_ABOVE`` ranks), refreshed every window; the straggler flagged. The job goes on:
-top only reads (launcher/waitsampler.py on every host), and Ctrl-C stops top alone.
+top only reads (launcher/remote/waitsampler.py on every host), and Ctrl-C stops top alone.
 
 ``view`` builds the JSON-able picture from the hosts' latest windows (pure), ``render``
 makes the table from it; ``show_top`` runs the agents and prints.
@@ -28,7 +28,7 @@ LIVE_MIN_SAMPLES = 50  # py-spy samples at TOP_RATE_HZ
 LIVE_MIN_POLLS = 500  # reads of the recorder's flag (waitsampler.REC_POLL_HZ)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TopSpec:
     job: Optional[str] = None
     once: bool = False
@@ -154,6 +154,11 @@ def render(v: dict) -> str:
     if v["straggler"]:
         lines.append(v["straggler"]["text"])
     return "\n".join(lines)
+
+
+def live_table(job: JobInfo, latest: dict, totals: Sequence[RankTotals], confirm: Confirmed) -> str:
+    """The table ``dtrun --top`` prints while its job runs (launcher.straggler.StragglerWatch)."""
+    return render(view(job, latest, totals, confirm=confirm))
 
 
 def show_top(spec: TopSpec) -> int:

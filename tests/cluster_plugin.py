@@ -1,4 +1,4 @@
-"""pytest fixtures for network-namespace clusters (see tests/nscluster.py).
+"""pytest fixtures for network-namespace clusters (see tests/nscluster/).
 
 Loaded by the project's conftest with ``pytest_plugins = ["tests.cluster_plugin"]``.
 

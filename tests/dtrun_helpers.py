@@ -123,3 +123,29 @@ def command_lines(match):
         if match(cmd):
             found.append((proc.pid, cmd))
     return found
+
+
+def module_cluster(n, terminate_strays=False):
+    """Yield ``n`` namespace hosts for a module-scoped fixture, and take them down after
+    (``terminate_strays``: first end what an earlier, interrupted run left behind)."""
+    from tests import nscluster
+    from tests.cluster_plugin import _terminate_gracefully, skip_if_unavailable
+
+    skip_if_unavailable()
+    if terminate_strays:
+        _terminate_gracefully()
+    cluster = nscluster.Cluster(n).up()
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+
+
+def start_script_job(job_class, cluster, tmp_path, name, text, slots, *args, env=None):
+    """Write ``text`` to ``tmp_path/name`` and start ``dtrun`` on it across ``cluster``
+    (``slots`` ranks per host, ``args`` before the program) as a ``job_class`` (argv, env)."""
+    script = tmp_path / name
+    script.write_text(text)
+    hosts = ",".join(f"{h.name}:{n}" for h, n in zip(cluster.hosts, slots))
+    return job_class([DTRUN, "--ssh-config", str(cluster.ssh_config), "-H", hosts, *args, "python", str(script)],
+                     env=env)

@@ -105,6 +105,29 @@ def run_on_two_hosts(cluster, cases: str, out, timeout: int):
                  sys.executable, cases, out, timeout=timeout)
 
 
+def driver_tests(cases: str, check, timeout: int, two_hosts_check=None):
+    """The two tests of each framework's driver: ``cases`` on 1, 2 and 3 ranks of this
+    machine, and on 2 namespace hosts x 2 ranks. ``check(found, out, n)`` reads every rank's
+    results; ``two_hosts_check(found)``, where given, adds what only two hosts show.
+    Returns (on_localhost, on_two_hosts): assign them to ``test_*`` names."""
+    import pytest
+
+    @pytest.mark.mpi
+    @pytest.mark.parametrize("n", [1, 2, 3])
+    def on_localhost(n, tmp_path):
+        check(results(run_on_localhost(cases, n, tmp_path, timeout=timeout), n), tmp_path, n)
+
+    @pytest.mark.cluster
+    @pytest.mark.mpi
+    def on_two_hosts(cluster3, tmp_path):
+        found = results(run_on_two_hosts(cluster3, cases, tmp_path, timeout=timeout), 4)
+        check(found, tmp_path, 4)
+        if two_hosts_check is not None:
+            two_hosts_check(found)
+
+    return on_localhost, on_two_hosts
+
+
 def example_line(example: str, prefix: str, *args, timeout: int) -> str:
     """Run ``examples/EXAMPLE`` on 2 ranks of this machine (it must exit 0) and return the one
     line of its output that starts with ``prefix`` (rank 0 alone prints it)."""

@@ -1,4 +1,4 @@
-"""A real Slurm cluster on the namespace hosts of tests/nscluster.py.
+"""A real Slurm cluster on the namespace hosts of tests/nscluster/.
 
 munged and slurmctld run in the root namespace (the "head", which is also where tests
 run salloc/sbatch/srun, like a login node); one slurmd runs inside every namespace host

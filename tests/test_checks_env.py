@@ -154,7 +154,7 @@ def test_gpu_findings():
     assert by["h4"][0].status == WARN and "other hosts have GPUs" in by["h4"][0].detail
 
 
-# The gpu part of checks/remote_probe.py's report, run on a real H100 machine (captured once).
+# The gpu part of launcher/remote/probe.py's report, run on a real H100 machine (captured once).
 H100_PROBE = {"gpu": {
     "nvidia_smi": "/usr/local/nvidia/bin/nvidia-smi", "rc": 0,
     "query": "0, NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB\n",

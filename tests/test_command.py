@@ -7,12 +7,14 @@ import sys
 
 import pytest
 
-from launcher import rankexec
+from launcher.remote import rankexec
 from launcher.command import LaunchSpec, build_command, format_dry_run, build_groups, redact_args
 from launcher.errors import ExitCode, MpiFlavorError, UsageError
 from launcher.flavors import MPICH, OPENMPI, Flavor, parse_version_output
 from launcher.hostfile import parse_host_list
-from launcher.run import RankFailure, exit_code_for, failure_summary, JobResult, parse_marker
+from launcher.job.markers import parse_marker
+from launcher.job.result import JobResult, RankFailure, exit_code_for
+from launcher.job.summary import failure_summary
 
 OMPI4 = Flavor(OPENMPI, (4, 1, 4), "/usr/bin/mpirun", "/usr")
 OMPI5 = Flavor(OPENMPI, (5, 0, 11), "/venv/bin/mpirun", "/venv")
@@ -170,7 +172,7 @@ def test_marker_parsing_through_tag_prefix():
 
 
 def test_failure_summary_names_first_rank_host_and_log():
-    r = JobResult(7, 7, [RankFailure("3", "node2", code=7), RankFailure("0", "node1", signum=15)])
+    r = JobResult(returncode=7, mpirun_returncode=7, failures=[RankFailure("3", "node2", code=7), RankFailure("0", "node1", signum=15)])
     text = failure_summary(r, "/logs")
     assert text.splitlines()[0] == "dtrun: job failed: rank 3 on node2 exited with code 7 (1 other rank stopped too)"
     assert "host       : node2" in text and "/logs/rank.3.log" in text
@@ -196,7 +198,7 @@ def test_python_programs_are_run_under_mpi4py_abort_handler():
 
 
 def test_root_cause_first_whatever_the_arrival_order():
-    from launcher.run import order_failures
+    from launcher.job.result import order_failures
     killed = RankFailure("0", "h1", signum=15)
     failed = RankFailure("2", "h3", code=5)
     segv = RankFailure("1", "h2", signum=11)
@@ -280,7 +282,7 @@ def test_marker_says_whether_the_signal_came_from_the_teardown():
 
 
 def test_kill_9_of_a_rank_beats_open_mpis_abort_report():
-    from launcher.run import order_failures
+    from launcher.job.result import order_failures
     killed = parse_marker("dtrun-rank-exit: rank=1 host=n2 signal=9 forwarded=0")
     aborted = RankFailure("0", "n1", code=14)  # a consequence: its peer vanished
     torn = parse_marker("dtrun-rank-exit: rank=2 host=n3 signal=15 forwarded=1")
@@ -296,36 +298,37 @@ def test_failing_rank_code_wins_over_the_launchers_own_code():
 
 
 def test_stdout_closed_is_not_blamed_on_a_rank():
-    from launcher.run import SIGPIPE_EXIT
-    r = JobResult(SIGPIPE_EXIT, 1, [RankFailure("0", "h", signum=15, forwarded=True)], stdout_closed=True)
+    from launcher.job.result import SIGPIPE_EXIT
+    r = JobResult(returncode=SIGPIPE_EXIT, mpirun_returncode=1, failures=[RankFailure("0", "h", signum=15, forwarded=True)], stdout_closed=True)
     text = failure_summary(r)
     assert "stdout was closed" in text and "rank 0" not in text
 
 
 def test_lost_daemon_names_its_host():
-    from launcher.run import lost_daemon_host
+    from launcher.job.parsers import lost_daemon_host
     text = ("PRTE has lost communication with a remote daemon.\n\n"
             "  HNP daemon   : [prterun-vm-18823@0,0] on node vm\n"
             "  Remote daemon: [prterun-vm-18823@0,2] on node dt03e6-h2\n")
     assert lost_daemon_host(text) == "dt03e6-h2"
     assert lost_daemon_host("ordinary output\n") is None
-    r = JobResult(1, 0, [], lost_daemon_host="dt03e6-h2")
+    r = JobResult(returncode=1, mpirun_returncode=0, failures=[], lost_daemon_host="dt03e6-h2")
     assert "the MPI daemon on dt03e6-h2 died" in failure_summary(r)
 
 
 def test_timeout_and_signal_summaries():
-    r = JobResult(ExitCode.TIMEOUT, -9, [], timeout="the job ran longer than --timeout 5 s", forced=True)
+    r = JobResult(returncode=ExitCode.TIMEOUT, mpirun_returncode=-9, failures=[], timeout="the job ran longer than --timeout 5 s", forced=True)
     text = failure_summary(r)
     assert text.startswith("dtrun: the job ran longer than --timeout 5 s; the job was stopped (exit 124)")
     assert "did not stop within" in text
-    assert failure_summary(JobResult(129, 0, [], interrupted=True, signum=signal.SIGHUP)).startswith(
+    assert failure_summary(JobResult(returncode=129, mpirun_returncode=0, failures=[], interrupted=True, signum=signal.SIGHUP)).startswith(
         "dtrun: stopped by SIGHUP; mpirun stopped the job on every host")
     assert exit_code_for(0, [], True, signal.SIGHUP) == 129
     assert exit_code_for(0, [], True, signal.SIGQUIT) == 131
 
 
 def test_start_timeout_names_hosts_of_missing_ranks():
-    from launcher.run import expected_hosts, not_started_message
+    from launcher.job.result import expected_hosts
+    from launcher.job.summary import not_started_message
     expected = expected_hosts(tuple(parse_host_list("a:2,b:1,c:1")), 4)
     assert expected == ["a", "a", "b", "c"]
     msg = not_started_message(expected, {"0": "a", "1": "a"}, 30)
@@ -333,7 +336,7 @@ def test_start_timeout_names_hosts_of_missing_ranks():
 
 
 def test_every_catchable_terminating_signal_stops_the_job():
-    from launcher.run import STOP_SIGNALS
+    from launcher.job.supervisor import STOP_SIGNALS
     for s in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
               signal.SIGALRM, signal.SIGXCPU):
         assert s in STOP_SIGNALS
@@ -372,7 +375,7 @@ def test_dry_run_prints_notes():
 
 
 def test_earliest_exit_is_the_root_cause_not_the_peer_that_aborted_after_it():
-    from launcher.run import order_failures
+    from launcher.job.result import order_failures
     exited = parse_marker("dtrun-rank-exit: rank=2 host=h3 code=3 t=1000.100000")
     aborted = parse_marker("[1,1]<stderr>: dtrun-rank-exit: rank=1 host=h2 code=14 t=1000.350000")
     assert order_failures([aborted, exited], reported_rank="1") == [exited, aborted]
@@ -380,7 +383,7 @@ def test_earliest_exit_is_the_root_cause_not_the_peer_that_aborted_after_it():
 
 
 def test_end_of_output_markers_are_taken_out_of_stdout_whatever_the_tag_or_chunking():
-    from launcher.run import split_eof_markers
+    from launcher.job.markers import split_eof_markers
     raw = "[1,1]<stdout>: a\n[1,1]<stdout>: dtrun-rank-eof: rank=1\n[1,0]<stdout>: b\n[1,0]<stdout>:dtrun-rank-eof: rank=0\n"
     for cut in range(len(raw) + 1):
         seen = set()
@@ -395,7 +398,7 @@ def test_end_of_output_markers_are_taken_out_of_stdout_whatever_the_tag_or_chunk
 
 
 def test_output_cut_short_names_ranks_whose_last_line_never_came():
-    from launcher.run import RunningJob, output_cut_short
+    from launcher.job.supervisor import JobSupervisor as RunningJob, output_cut_short
 
     class P:
         pid = 1
@@ -408,7 +411,7 @@ def test_output_cut_short_names_ranks_whose_last_line_never_came():
 
 
 def test_ranks_that_went_silent_name_their_host():
-    r = JobResult(255, 255, [], vanished=[("1", "node2")])
+    r = JobResult(returncode=255, mpirun_returncode=255, failures=[], vanished=[("1", "node2")])
     assert failure_summary(r).startswith("dtrun: job failed: rank 1 on node2 went silent (no exit report)")
 
 

@@ -2,7 +2,7 @@
 
 Each fault is injected on one host; doctor must name that host and that cause, and
 nothing on the healthy hosts. Faults that do not interfere share one cluster to keep
-the time down (tests/nscluster.py makes the hosts; see docs/cluster-testing.md).
+the time down (tests/nscluster/ makes the hosts; see docs/cluster-testing.md).
 """
 import contextlib
 import json

@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-from launcher import stackagent
+from launcher.remote import agent as remote_agent, pystacks, wire
 from launcher.jobstate import JobInfo
 from launcher.stacks import HostAnswer, collect, format_ranks, roll_call
-from tests.dtrun_helpers import DTRUN, PYTHON, REPO, command_lines, user_env, wait_until_empty
+from tests.dtrun_helpers import DTRUN, PYTHON, REPO, command_lines, start_script_job, user_env, wait_until_empty
 
 RUNTIME = str(REPO / "collectives" / "comm.py")
 
@@ -87,7 +87,7 @@ def test_recorder_file_is_read_by_the_agent(tmp_path, monkeypatch, compiled):
     import numpy as np
     from collectives import comm as comm_mod, recorder
 
-    monkeypatch.setattr(comm_mod, "_REC_TAKEN", [False])
+    monkeypatch.setattr(recorder, "OWNER", recorder.Owner())
     c = comm_mod.Comm()
     from collectives import shm1
     assert (c._rec_store == c._py_rec_store) == (compiled == "0" or not shm1._fastshm)
@@ -97,14 +97,14 @@ def test_recorder_file_is_read_by_the_agent(tmp_path, monkeypatch, compiled):
     c.barrier()
     raw = open(recorder.path_for(str(tmp_path), c.rank), "rb").read()
     ours = recorder.decode(raw)["entries"]
-    agent = stackagent.read_recorder(str(tmp_path), c.rank)["entries"]
-    assert agent == ours[-stackagent.REC_SHOWN:]
+    agent = remote_agent.read_recorder(str(tmp_path), c.rank)["entries"]
+    assert agent == ours[-remote_agent.REC_SHOWN:]
     assert [(e["seq"], e["op"], e["dtype"], e["count"], e["root"]) for e in agent[-3:]] == [
         (recorder.RING + 3, "allreduce", "float64", 5, None), (recorder.RING + 4, "broadcast", "int32", 3, 0),
         (recorder.RING + 5, "barrier", "", 0, None)]
-    assert stackagent.REC_OPS == recorder.OPS and stackagent.REC_DTYPES == recorder.DTYPES
-    assert stackagent.REC_MAGIC == recorder.MAGIC
-    assert (stackagent.REC_TIMED_VERSION, stackagent.REC_INSIDE) == (recorder.VERSION, recorder.INSIDE_WORD)
+    assert wire.REC_OPS == recorder.OPS and wire.REC_DTYPES == recorder.DTYPES
+    assert wire.REC_MAGIC == recorder.MAGIC
+    assert (wire.REC_VERSION, wire.REC_INSIDE_WORD) == (recorder.VERSION, recorder.INSIDE_WORD)
     c.free()
 
 
@@ -114,7 +114,7 @@ def test_recorder_names_a_non_blocking_op_like_its_blocking_twin(tmp_path, monke
     import numpy as np
     from collectives import comm as comm_mod, recorder
 
-    monkeypatch.setattr(comm_mod, "_REC_TAKEN", [False])
+    monkeypatch.setattr(recorder, "OWNER", recorder.Owner())
     c = comm_mod.Comm()
     x = np.ones(4, np.float32)
     pairs = [(lambda: c.allreduce(x), lambda: c.iallreduce(x).wait()),
@@ -136,8 +136,7 @@ def test_recorder_names_a_non_blocking_op_like_its_blocking_twin(tmp_path, monke
 
 def test_faulthandler_boot_dumps_a_blocked_program(tmp_path):
     """The rank wrapper's boot code arms faulthandler; the agent's signal gets every thread's stack."""
-    sys.path.insert(0, str(REPO / "launcher"))
-    import rankstate
+    from launcher.remote import rankstate
 
     script = tmp_path / "blocked.py"
     script.write_text("import threading\n\ndef wait_forever():\n    threading.Event().wait(60)\n\nwait_forever()\n")
@@ -151,7 +150,7 @@ def test_faulthandler_boot_dumps_a_blocked_program(tmp_path):
         while not armed.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.3)
-        threads, err = stackagent.faulthandler_stacks(str(tmp_path), 0, p.pid, 5)
+        threads, err = pystacks.faulthandler_stacks(str(tmp_path), 0, p.pid, 5)
         assert err is None
         main = next(t for t in threads if t["main"])
         ours = [(f["func"], f["line"]) for f in main["frames"] if f["file"].endswith("blocked.py")]
@@ -244,15 +243,16 @@ def _token_procs(token):
     return command_lines(lambda cmd: token in cmd and "pytest" not in cmd)
 
 
-RUNTIME_HANG = """import time
-import numpy as np
+# How both runtime programs start: three collectives, then "ready".
+RUNTIME_START = """import numpy as np
 import collectives
 c = collectives.init()
 x = np.ones(8, np.float32)
 for _ in range(3):
     c.allreduce(x)
 print("ready", c.rank, flush=True)
-if c.rank == 4:
+"""
+RUNTIME_HANG = "import time\n" + RUNTIME_START + """if c.rank == 4:
     time.sleep(300)  # the odd one out
 c.allreduce(x)  # where the others wait
 print("done", flush=True)
@@ -264,10 +264,9 @@ print("done", flush=True)
 def test_hang_timeout_names_rank_host_and_line_and_abort_leaves_nothing(cluster3, tmp_path):
     token = f"hghang{os.getpid()}{time.monotonic_ns() % 10**6}"
     script = tmp_path / f"{token}.py"
-    script.write_text(RUNTIME_HANG)
     third = cluster3.hosts[2].name
-    job = Job([DTRUN, "--ssh-config", str(cluster3.ssh_config), "-H", host_list(cluster3, [2, 2, 2]),
-               "--hang-timeout", "5", "--on-hang", "abort", "python", str(script)])
+    job = start_script_job(Job, cluster3, tmp_path, script.name, RUNTIME_HANG, [2, 2, 2],
+                           "--hang-timeout", "5", "--on-hang", "abort")
     last_ready = job.wait_for(r"ready \d", count=6, timeout=90)
     reported = job.wait_for(r"hang: no progress", timeout=40)
     rc = job.finish()
@@ -287,14 +286,7 @@ def test_hang_timeout_names_rank_host_and_line_and_abort_leaves_nothing(cluster3
     assert not list((tmp_path).glob("rank.*")), "job files left in the script's directory"
 
 
-MISMATCH = """import numpy as np
-import collectives
-c = collectives.init()
-x = np.ones(8, np.float32)
-for _ in range(3):
-    c.allreduce(x)
-print("ready", c.rank, flush=True)
-if c.rank == 2:
+MISMATCH = RUNTIME_START + """if c.rank == 2:
     c.broadcast(x, root=0)
 else:
     c.allreduce(x)
@@ -307,11 +299,8 @@ def test_mismatched_collective_is_named_via_faulthandler(cluster3, tmp_path):
     """Without py-spy (DTRUN_NO_PYSPY=1) the ranks' faulthandler answers from inside MPI. The
     runtime's own signature check would name this mismatch at once (MismatchError): it is
     turned off (DTRUN_CHECK=0) so that the job hangs as a program with no such check does."""
-    script = tmp_path / "mismatch.py"
-    script.write_text(MISMATCH)
-    job = Job([DTRUN, "--ssh-config", str(cluster3.ssh_config), "-H", host_list(cluster3, [1, 1, 1]),
-               "--hang-timeout", "4", "--on-hang", "abort", "-x", "DTRUN_CHECK=0", "python", str(script)],
-              env=user_env(DTRUN_NO_PYSPY="1"))
+    job = start_script_job(Job, cluster3, tmp_path, "mismatch.py", MISMATCH, [1, 1, 1], "--hang-timeout", "4",
+                           "--on-hang", "abort", "-x", "DTRUN_CHECK=0", env=user_env(DTRUN_NO_PYSPY="1"))
     rc = job.finish(timeout=120)
     err = job.text("err")
     print(err)
@@ -337,10 +326,7 @@ print("done", c.rank, flush=True)
 @pytest.mark.cluster
 @pytest.mark.mpi
 def test_plain_program_named_by_output_silence_and_report_leaves_it_running(cluster3, tmp_path):
-    script = tmp_path / "plain.py"
-    script.write_text(PLAIN)
-    job = Job([DTRUN, "--ssh-config", str(cluster3.ssh_config), "-H", host_list(cluster3, [1, 1, 1]),
-               "--hang-timeout", "4", "python", str(script)])
+    job = start_script_job(Job, cluster3, tmp_path, "plain.py", PLAIN, [1, 1, 1], "--hang-timeout", "4")
     rc = job.finish(timeout=120)
     err, out = job.text("err"), job.text("out")
     print(err)
@@ -367,12 +353,9 @@ print("done", c.rank, flush=True)
 @pytest.mark.cluster
 @pytest.mark.mpi
 def test_stacks_and_sigquit_on_a_healthy_job(cluster3, tmp_path):
-    script = tmp_path / "healthy.py"
-    script.write_text(HEALTHY)
     cache = tmp_path / "cache"  # its own cache dir: only this job is running there
     env = user_env(XDG_CACHE_HOME=str(cache))
-    job = Job([DTRUN, "--ssh-config", str(cluster3.ssh_config), "-H", host_list(cluster3, [2, 2, 2]),
-               "--no-tag-output", "python", str(script)], env=env)
+    job = start_script_job(Job, cluster3, tmp_path, "healthy.py", HEALTHY, [2, 2, 2], "--no-tag-output", env=env)
     job.wait_for(r"^up$", count=6, timeout=90)
     t0 = time.monotonic()
     p = subprocess.run([DTRUN, "stacks"], capture_output=True, text=True, env=env, timeout=60)

@@ -27,7 +27,7 @@ import pytest
 from tests.dtrun_helpers import DTRUN, PYTHON, REPO, user_env
 from tests.test_hang import Job
 
-AGENT = str(REPO / "launcher" / "stackagent.py")
+AGENT = str(REPO / "launcher" / "remote" / "agent.py")
 HOST = socket.gethostname()
 DUMP_SIGNAL = int(signal.SIGRTMIN) + 6
 
@@ -125,9 +125,8 @@ time.sleep(60)
 def test_a_dump_request_that_loses_the_race_is_dropped(tmp_path):
     """The agent reads SigCgt right before it signals, but the handler can go in between. In a
     rank started by the wrapper's boot code, what faulthandler leaves behind ignores the signal."""
-    sys.path.insert(0, str(REPO / "launcher"))
-    import rankstate
-    from launcher import stackagent
+    from launcher.remote import rankstate
+    from launcher.remote import procfs
 
     script = tmp_path / "closes.py"
     script.write_text(CLOSES)
@@ -136,11 +135,11 @@ def test_a_dump_request_that_loses_the_race_is_dropped(tmp_path):
     p = subprocess.Popen(prog, env=env, cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "armed"
-        assert stackagent.signal_caught(p.pid, DUMP_SIGNAL) is True
+        assert procfs.signal_caught(p.pid, DUMP_SIGNAL) is True
         p.stdin.write("\n")
         p.stdin.flush()
         assert p.stdout.readline().strip() == "closed"
-        assert stackagent.signal_caught(p.pid, DUMP_SIGNAL) is False
+        assert procfs.signal_caught(p.pid, DUMP_SIGNAL) is False
         os.kill(p.pid, DUMP_SIGNAL)  # what a request sent just after the handler went does
         time.sleep(0.3)
         assert p.poll() is None, f"the rank died of the dump request ({p.returncode})"
@@ -159,7 +158,7 @@ def test_a_dump_request_that_loses_the_race_is_dropped(tmp_path):
 HOSTILE = r"""
 import json, os, signal, socket, subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
-from rankstate import proc_start
+from launcher.remote.procfs import proc_start
 
 base, agent = sys.argv[2], sys.argv[3]
 host = socket.gethostname()
@@ -268,7 +267,7 @@ def test_kill_agent_refuses_hostile_job_files(tmp_path, pid_namespace):
     kills the job's real rank, and names nothing it was not sure of in ``killed``."""
     script = tmp_path / "hostile.py"
     script.write_text(HOSTILE)
-    p = _in_own_pid_namespace([PYTHON, str(script), str(REPO / "launcher"), str(tmp_path), AGENT,
+    p = _in_own_pid_namespace([PYTHON, str(script), str(REPO), str(tmp_path), AGENT,
                                json.dumps(HOSTILE_CASES)])
     assert p.returncode == 0, p.stderr
     result = json.loads(p.stdout.strip().splitlines()[-1])
@@ -300,8 +299,7 @@ def test_kill_agent_refuses_hostile_job_files(tmp_path, pid_namespace):
 def test_dump_agent_does_not_signal_a_process_a_rank_file_names(tmp_path):
     """A rank file (and .armed file) naming an innocent Python process: the stack agent neither
     signals it (SIGRTMIN+6 would kill it) nor attaches to it, and says why."""
-    sys.path.insert(0, str(REPO / "launcher"))
-    from rankstate import proc_start
+    from launcher.remote.procfs import proc_start
 
     job_dir = tmp_path / "job"
     job_dir.mkdir()
@@ -344,8 +342,7 @@ time.sleep(300)
 
 @pytest.mark.mpi
 def test_stopped_job_whose_rank_names_another_process_leaves_it_alive(tmp_path):
-    sys.path.insert(0, str(REPO / "launcher"))
-    from rankstate import proc_start
+    from launcher.remote.procfs import proc_start
 
     script = tmp_path / "impostor.py"
     script.write_text(IMPOSTOR)
@@ -447,8 +444,7 @@ def test_kill_agent_proves_an_open_mpi_5_daemon_whose_ranks_ended_by_its_namespa
     """After Ctrl-C the ranks may be gone while their daemon lingers: no rank is left to prove it
     the job's. dtrun passes the job's PMIx namespace (this host, mpirun's pid); a daemon started
     with it is killed, one of another namespace is left alone."""
-    sys.path.insert(0, str(REPO / "launcher"))
-    from rankstate import proc_start
+    from launcher.remote.procfs import proc_start
 
     prted = tmp_path / "prted"  # a process named like PRRTE's daemon, with its command line
     shutil.copy(sys.executable, prted)

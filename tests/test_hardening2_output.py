@@ -17,8 +17,10 @@ import sys
 
 import pytest
 
-from launcher import rankexec
-from launcher.run import JobResult, failure_summary, parse_marker, parse_start_marker, split_eof_markers
+from launcher.remote import rankexec
+from launcher.job.markers import parse_marker, parse_start_marker, split_eof_markers
+from launcher.job.result import JobResult
+from launcher.job.summary import failure_summary
 from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, user_env
 
 HOST = socket.gethostname()
@@ -308,15 +310,15 @@ def test_markers_need_the_jobs_token():
 # ---- item 14: name the launcher that ran ---------------------------------------------------
 
 def test_summary_names_the_launcher():
-    from launcher.run import launcher_name
+    from launcher.job.result import launcher_name
 
     assert launcher_name(["env", "NCCL_SOCKET_IFNAME=^lo,docker0", "/usr/bin/srun", "--ntasks=2"]) == "srun"
     assert launcher_name(["/usr/bin/mpiexec.hydra", "-n", "2"]) == "mpiexec.hydra"
-    srun = JobResult(137, 137, launcher="srun")
+    srun = JobResult(returncode=137, mpirun_returncode=137, launcher="srun")
     assert failure_summary(srun) == "dtrun: job failed: srun exited with code 137"
-    killed = JobResult(137, -9, launcher="mpiexec.hydra")
+    killed = JobResult(returncode=137, mpirun_returncode=-9, launcher="mpiexec.hydra")
     assert failure_summary(killed) == "dtrun: job failed: mpiexec.hydra was killed by SIGKILL"
-    stopped = JobResult(130, 0, interrupted=True, signum=2, launcher="srun")
+    stopped = JobResult(returncode=130, mpirun_returncode=0, interrupted=True, signum=2, launcher="srun")
     assert failure_summary(stopped) == "dtrun: stopped by SIGINT; srun stopped the job on every host"
 
 

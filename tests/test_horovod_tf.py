@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from tests.dtrun_helpers import REPO
-from tests.horovod_common import (ADASUM, assert_trained_alike, example_line, load_ranks, mismatch,
-                                   results, run_on_localhost, run_on_two_hosts)
+from tests.horovod_common import (ADASUM, assert_trained_alike, driver_tests, example_line,
+                                   load_ranks, mismatch)
 
 CASES = str(REPO / "tests" / "horovod_tf_cases.py")
 
@@ -42,17 +42,8 @@ def _check(found: list[dict], out, n: int) -> None:
         assert_trained_alike(ranks, [(f"dist_{k}", f"ref_{k}") for k in keys])
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_horovod_tensorflow_keras_ranks(n, tmp_path):
-    _check(results(run_on_localhost(CASES, n, tmp_path, timeout=420), n), tmp_path, n)
-
-
-@pytest.mark.cluster
-@pytest.mark.mpi
-def test_horovod_tensorflow_keras_two_hosts(cluster3, tmp_path):
-    proc = run_on_two_hosts(cluster3, CASES, tmp_path, timeout=420)
-    _check(results(proc, 4), tmp_path, 4)
+test_horovod_tensorflow_keras_ranks, test_horovod_tensorflow_keras_two_hosts = driver_tests(
+    CASES, _check, 420)
 
 
 @pytest.mark.mpi

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from tests.dtrun_helpers import REPO, user_env
-from tests.horovod_common import (ADASUM, assert_trained_alike, example_line, load_ranks, mismatch,
-                                   results, run_on_localhost, run_on_two_hosts)
+from tests.horovod_common import (ADASUM, assert_trained_alike, driver_tests, example_line,
+                                   load_ranks, mismatch)
 
 PYTHON = sys.executable
 CASES = str(REPO / "tests" / "horovod_torch_cases.py")
@@ -52,19 +52,12 @@ def _check(found: list[dict], out, n: int) -> None:
     assert_trained_alike(ranks, [(f"dist.{k}", f"ref.{k}") for k in keys])
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_horovod_torch_ranks(n, tmp_path):
-    _check(results(run_on_localhost(CASES, n, tmp_path, timeout=300), n), tmp_path, n)
-
-
-@pytest.mark.cluster
-@pytest.mark.mpi
-def test_horovod_torch_two_hosts(cluster3, tmp_path):
-    proc = run_on_two_hosts(cluster3, CASES, tmp_path, timeout=300)
-    found = results(proc, 4)
-    _check(found, tmp_path, 4)
+def _check_two_hosts(found: list[dict]) -> None:
     assert {tuple(r["queries"][5:]) for r in found} == {(2, 2)}  # local_size, cross_size
+
+
+test_horovod_torch_ranks, test_horovod_torch_two_hosts = driver_tests(
+    CASES, _check, 300, _check_two_hosts)
 
 
 # ----------------------------------------------------------------------------- pure parts

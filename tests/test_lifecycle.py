@@ -12,8 +12,8 @@ import psutil
 import pytest
 
 from tests import nscluster
-from tests.cluster_plugin import skip_if_unavailable
-from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, finish, user_env, wait_until_empty, processes_with
+from tests.dtrun_helpers import (DTRUN, PYTHON, REPO, dtrun, finish, module_cluster, user_env, wait_until_empty,
+                                 processes_with)
 
 pytestmark = pytest.mark.mpi
 
@@ -58,7 +58,7 @@ def test_rank_wrapper_keeps_every_descriptor_the_launcher_hands_the_rank():
     env = user_env(PMI_FD=str(fds[0][1]), PMIX_SERVER_FD=str(fds[1][1]), UNLISTED_FD=str(fds[2][1]))
     check = 'for fd in "$PMI_FD" "$PMIX_SERVER_FD" "$UNLISTED_FD"; do [ -e /proc/self/fd/$fd ] || exit 9; done'
     try:
-        p = subprocess.run([PYTHON, "-S", str(REPO / "launcher" / "rankexec.py"), "--", "/bin/sh", "-c", check],
+        p = subprocess.run([PYTHON, "-S", str(REPO / "launcher" / "remote" / "rankexec.py"), "--", "/bin/sh", "-c", check],
                            env=env, pass_fds=[w for _, w in fds], capture_output=True, text=True, timeout=30)
     finally:
         for r, w in fds:
@@ -144,12 +144,7 @@ def test_bad_time_limits_are_usage_errors():
 @pytest.fixture(scope="module")
 def cluster2():
     """Two namespace hosts for this module; tests that silence a host restore it."""
-    skip_if_unavailable()
-    cluster = nscluster.Cluster(2).up()
-    try:
-        yield cluster
-    finally:
-        cluster.down()
+    yield from module_cluster(2)
 
 
 def _silence(host, on=True):

@@ -3,6 +3,7 @@ ssh, real iptables, real TCP connects, and a real Open MPI 5 job across hosts.""
 
 from __future__ import annotations
 
+import ast
 import os
 import secrets
 import select
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -444,3 +446,15 @@ def test_cli_fault_specs_parse_and_bad_prefixes_are_refused():
         nscluster.down_prefix("../etc")
     with pytest.raises(ValueError):
         Cluster(2, prefix="Bad/Prefix")
+
+
+def test_each_function_of_the_package_fits_on_a_screen():
+    """tests/nscluster is split by concern (namespaces, sshd, faults, state, CLI); no function
+    in it grows past 60 lines, as in launcher/, checks/ and collectives/."""
+    package = Path(nscluster.__file__).parent
+    assert package.name == "nscluster" and (package / "__main__.py").is_file()
+    long = [f"{path.name}:{node.lineno} {node.name}"
+            for path in sorted(package.glob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60]
+    assert long == []

@@ -1,4 +1,4 @@
-"""Clean-up seen from another pid namespace (launcher/sessiondirs.py, launcher/jobstate.py).
+"""Clean-up seen from another pid namespace (launcher/remote/sessiondirs.py, launcher/jobstate.py).
 
 A container, or a second login node, can share this machine's /tmp and home while its
 processes live in another pid namespace: there a live job's pids name nothing (or someone
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from launcher import sessiondirs
+from launcher.remote import sessiondirs
 from tests.dtrun_helpers import DTRUN, PYTHON, REPO, user_env
 from tests.test_sessiondirs import dead_pid, make_stale, needs_ompi5
 
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]
-# The lock files' names, spelled out (launcher/sessiondirs.LOCK_NAME, launcher/jobstate.LOCK_NAME).
+# The lock files' names, spelled out (launcher/remote/sessiondirs.LOCK_NAME, launcher/jobstate.LOCK_NAME).
 SESSION_LOCK, JOB_LOCK = "dtrun.lock", "job.lock"
 WAIT_S = 60  # a bound on waiting for a job to reach a state, never a measured time
 
@@ -153,7 +153,7 @@ def _wait_for(cond, what):
 
 
 def _sweep_argv(top):
-    return [PYTHON, "-c", "import sys; sys.path.insert(0, sys.argv[1]); from launcher import sessiondirs; "
+    return [PYTHON, "-c", "import sys; sys.path.insert(0, sys.argv[1]); from launcher.remote import sessiondirs; "
                           "print(len(sessiondirs.sweep({'TMPDIR': sys.argv[2]})))", str(REPO), str(top)]
 
 

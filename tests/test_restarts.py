@@ -18,7 +18,7 @@ from launcher.restarts import (
     plan_hosts,
     same_failure_twice,
 )
-from launcher.run import JobResult, RankFailure
+from launcher.job.result import JobResult, RankFailure
 from tests.dtrun_helpers import PYTHON, REPO, dtrun, one_line_error
 
 
@@ -65,7 +65,7 @@ def test_too_few_slots_is_refused_naming_them():
 # ---- blame and the no-blind-loop rule ---------------------------------------------------------
 
 def result(*failures, **kw):
-    return JobResult(kw.pop("returncode", 1), kw.pop("mpirun", 1), list(failures), **kw)
+    return JobResult(returncode=kw.pop("returncode", 1), mpirun_returncode=kw.pop("mpirun", 1), failures=list(failures), **kw)
 
 
 def test_failure_names_the_root_cause_and_its_exception():

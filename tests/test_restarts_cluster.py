@@ -15,7 +15,8 @@ import time
 import pytest
 
 from tests import nscluster
-from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, finish, processes_with, user_env, wait_until_empty
+from tests.dtrun_helpers import (DTRUN, PYTHON, REPO, dtrun, finish, module_cluster, processes_with, user_env,
+                                 wait_until_empty)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
 
@@ -101,15 +102,7 @@ def lose_at(cluster, proc, pattern, host, silent_first=False):
 @pytest.fixture(scope="module")
 def cluster4():
     """Four hosts for the tests that lose one; each test brings its host back."""
-    from tests.cluster_plugin import _terminate_gracefully, skip_if_unavailable
-
-    skip_if_unavailable()
-    _terminate_gracefully()
-    cluster = nscluster.Cluster(4).up()
-    try:
-        yield cluster
-    finally:
-        cluster.down()
+    yield from module_cluster(4, terminate_strays=True)
 
 
 # ---- 1. a rank killed on a healthy host ------------------------------------------------------

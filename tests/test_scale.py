@@ -33,6 +33,12 @@ FLAVORS = {
 flavors = pytest.mark.parametrize("flavor", [
     "openmpi5", pytest.param("openmpi4", marks=pytest.mark.flavor)])
 
+
+def tree_test(fn):
+    """A test on the tree-spawn cluster, run once per flavor (cluster, mpi and slow tiers)."""
+    return pytest.mark.cluster(pytest.mark.mpi(pytest.mark.slow(flavors(fn))))
+
+
 # Each rank reports its host and the address its daemon's ssh session came from.
 PARENTS = r"""
 import os, socket
@@ -78,10 +84,7 @@ def first_hop(cluster):
     return pairs[0]
 
 
-@pytest.mark.cluster
-@pytest.mark.mpi
-@pytest.mark.slow
-@flavors
+@tree_test
 def test_tree_spawn_starts_each_daemon_from_its_parent_host(tree_cluster, flavor):
     need(flavor)
     c = tree_cluster
@@ -103,10 +106,7 @@ def test_tree_spawn_starts_each_daemon_from_its_parent_host(tree_cluster, flavor
     assert any(v != "launcher" for v in seen.values())
 
 
-@pytest.mark.cluster
-@pytest.mark.mpi
-@pytest.mark.slow
-@flavors
+@tree_test
 def test_inner_host_that_cannot_ssh_to_its_child(tree_cluster, flavor):
     need(flavor)
     c = tree_cluster

@@ -1,4 +1,4 @@
-"""Open MPI 5 session directories left by killed jobs (launcher/sessiondirs.py).
+"""Open MPI 5 session directories left by killed jobs (launcher/remote/sessiondirs.py).
 
 PMIx 5.0 refuses to start an mpirun or prted whose pid a stale session directory names
 ("The PMIx server's listener thread failed to start", mpirun exit 213). CI met it: a
@@ -16,13 +16,13 @@ import threading
 
 import pytest
 
-from launcher import sessiondirs, stackagent
-from launcher.rankstate import proc_start
+from launcher.remote import agent as remote_agent, sessiondirs
+from launcher.remote.procfs import proc_start
 from tests.dtrun_helpers import BIN, DTRUN, PYTHON, REPO, user_env
 
 MPIRUN = str(BIN / "mpirun")
 HOST = socket.gethostname()
-RANKEXEC = str(REPO / "launcher" / "rankexec.py")
+RANKEXEC = str(REPO / "launcher" / "remote" / "rankexec.py")
 
 
 def openmpi5() -> bool:
@@ -187,7 +187,7 @@ def test_kill_agent_sweeps_what_the_daemons_it_killed_left(tmp_path):
     old = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(top)
     try:
-        out = stackagent.kill(str(job_dir))
+        out = remote_agent.kill(str(job_dir))
     finally:
         if old is None:
             os.environ.pop("TMPDIR")

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from launcher import waitsampler
+from launcher.remote import waitsampler
 from launcher.jobstate import JobInfo
 from launcher.straggler import RankTotals, find_straggler, render_finding
 from tests.dtrun_helpers import DTRUN, PYTHON, REPO, user_env
@@ -394,10 +394,10 @@ print("done", c.rank, flush=True)
 def test_recorder_flag_is_set_while_the_rank_waits_in_a_collective(tmp_path, compiled):
     """Rank 1 sleeps while rank 0 is in an allreduce: the agent's reads of the flight
     recorder find rank 0 inside and rank 1 not (the compiled engine's store, and Python's)."""
-    from launcher import stackagent
+    from launcher.remote import rankstate, wire
     from collectives import recorder
 
-    assert stackagent.REC_TIMED_VERSION == recorder.VERSION and stackagent.REC_INSIDE == recorder.INSIDE_WORD
+    assert wire.REC_VERSION == recorder.VERSION and wire.REC_INSIDE_WORD == recorder.INSIDE_WORD
     script = tmp_path / "flag.py"
     script.write_text(FLAG_JOB)
     env = user_env(DTRUN_JOB_DIR=str(tmp_path), DTRUN_COMPILED=compiled, OMPI_ALLOW_RUN_AS_ROOT="1",
@@ -412,7 +412,7 @@ def test_recorder_flag_is_set_while_the_rank_waits_in_a_collective(tmp_path, com
             assert line or p.poll() is None, p.stderr.read()
             ready += line.startswith("ready")
         time.sleep(0.5)
-        pids = [stackagent._recorder_words(str(tmp_path), r)[2] for r in (0, 1)]
+        pids = [rankstate.recorder_words(str(tmp_path), r)[2] for r in (0, 1)]
         until = time.monotonic() + 1.5
         got = {}
         threads = [threading.Thread(target=lambda r=r: got.__setitem__(r, waitsampler.poll_inside(
@@ -429,8 +429,8 @@ def test_recorder_flag_is_set_while_the_rank_waits_in_a_collective(tmp_path, com
     (polls0, inside0), (polls1, inside1) = got[0], got[1]
     assert polls0 > 50 and inside0 >= 0.9 * polls0, got
     assert polls1 > 50 and inside1 == 0, got
-    words = [stackagent._recorder_words(str(tmp_path), r) for r in (0, 1)]
-    assert [w[stackagent.REC_INSIDE] for w in words] == [0, 0]  # cleared on the way out
+    words = [rankstate.recorder_words(str(tmp_path), r) for r in (0, 1)]
+    assert [w[wire.REC_INSIDE_WORD] for w in words] == [0, 0]  # cleared on the way out
 
 
 def test_top_table_groups_ranks_per_host_beyond_16_and_flags_the_straggler():

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from launcher import rankexec
+from launcher.remote import rankexec
 from launcher.errors import UsageError
 from launcher.hostfile import HostSlots
 from launcher.rendezvous import REMOTE_PORT_RANGE, choose, master_addr, remote_port

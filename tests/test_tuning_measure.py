@@ -92,3 +92,14 @@ def test_a_budget_spent_before_1_mib_is_used_but_not_cached(tmp_path, monkeypatc
     assert "(now," in quick.source and "not cached" not in quick.source, quick.source
     again = tuning.calibrated(MPI.COMM_SELF, "h1", 1, 1, cands, Costs(lambda name, i: 1.0))
     assert "(cached," in again.source
+
+
+def test_each_size_measured_is_reported_as_progress():
+    """A calibration across hosts takes seconds: after each size it measured, ``tick`` hears
+    of it (Comm records it in the flight recorder, which a hang watch reads as progress)."""
+    seen = []
+    run = Costs(lambda name, i: 5e-6)
+    times = tuning.measure(MPI.COMM_SELF, [("mpi", 0), ("ring", 0)], run, first=4, rounds=(2, 2),
+                           budget=30.0, tick=seen.append)
+    assert seen == list(tuning.BUCKETS[4:]), seen
+    assert not (times[:, :, 0] == tuning.EXTRAPOLATED).any()

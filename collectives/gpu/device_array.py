@@ -78,7 +78,7 @@ def _torch_dtype(tdtype: Any, op: str, rank: int) -> np.dtype:
 
 
 def is_device(v: Any) -> bool:
-    from ..arrays import DEVICE, classify
+    from ..array_kinds import DEVICE, classify
     return classify(v) == DEVICE
 
 
@@ -125,7 +125,7 @@ def to_device(d: DeviceArray, host: np.ndarray) -> None:
     if d.nbytes == 0:
         return
     if d.lib == "torch":
-        from ..arrays import numpy_to_torch
+        from ..array_kinds import numpy_to_torch
         d.obj.copy_(numpy_to_torch(host).reshape(d.shape))
     else:
         import cupy

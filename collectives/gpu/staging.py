@@ -26,7 +26,7 @@ def staged(comm, ctx: GpuContext, name: str, args: tuple, kwargs: dict) -> Any:
             tv = buf[:d.nbytes].view(v.dtype).view(d.shape) if d.nbytes else \
                 torch.empty(d.shape, dtype=v.dtype, pin_memory=True)
             tv.copy_(v)  # ordered after queued work on the current stream; blocking
-            from ..arrays import torch_to_numpy
+            from ..array_kinds import torch_to_numpy
             host = torch_to_numpy(tv, name, comm.rank)
         else:
             host = np.asarray(buf[:d.nbytes]).view(d.dtype).reshape(d.shape)

@@ -25,7 +25,17 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import objects as _objects
+from .._queries import query
 from ..errors import CollectiveError, MismatchError
+
+# The framework-neutral API: each framework module re-exports it (``from .._core import *``).
+__all__ = [
+    "Average", "Sum", "Min", "Max", "Product", "HorovodInternalError", "HorovodMismatchError",
+    "HorovodUnsupportedError", "global_process_set", "shutdown", "is_initialized", "size",
+    "rank", "local_size", "local_rank", "cross_size", "cross_rank", "is_homogeneous",
+    "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
+    "ddl_built", "ccl_built", "rocm_built", "barrier",
+]
 
 # Horovod's reduction ops, as collectives.Comm spells them.
 Average, Sum, Min, Max, Product = "avg", "sum", "min", "max", "prod"
@@ -201,30 +211,13 @@ def rocm_built() -> bool: return flag("rocm_built")  # noqa: E704
 
 
 # ----------------------------------------------------------------------------- topology
-def size() -> int:
-    return job("size").size
-
-
-def rank() -> int:
-    return job("rank").rank
-
-
-def local_size() -> int:
-    return job("local_size").local_size
-
-
-def local_rank() -> int:
-    return job("local_rank").local_rank
-
-
-def cross_size() -> int:
-    """Number of hosts (Horovod: ranks with this local rank across hosts)."""
-    return job("cross_size").cross_size
-
-
-def cross_rank() -> int:
-    """Index of this host among the job's hosts."""
-    return job("cross_rank").cross_rank
+size = query(job, "size", "Number of ranks in the job.")
+rank = query(job, "rank", "This process's rank.")
+local_size = query(job, "local_size", "Number of ranks on this host.")
+local_rank = query(job, "local_rank", "This process's rank among the ranks on its host.")
+cross_size = query(job, "cross_size",
+                   "Number of hosts (Horovod: ranks with this local rank across hosts).")
+cross_rank = query(job, "cross_rank", "Index of this host among the job's hosts.")
 
 
 def is_homogeneous() -> bool:

@@ -21,38 +21,8 @@ from ..tensorflow import (Average, Compression, HorovodInternalError,  # noqa: F
                           is_homogeneous, is_initialized, join, local_rank, local_size,
                           mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
                           reducescatter, rocm_built, shutdown, size)
-from ..tensorflow import _check_gradient_args, allreduce_gradients
+from ..tensorflow import DistributedOptimizer  # noqa: F401 (Horovod's keras name)
 from . import callbacks  # noqa: F401
-
-
-def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",  # noqa: N802
-                         compression=Compression.none, sparse_as_dense=False,
-                         gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
-                         average_aggregated_gradients=False, num_groups=0, groups=None,
-                         process_set=global_process_set, scale_local_gradients=True):
-    """A copy of ``optimizer`` (same class and config) whose ``apply`` averages
-    (``op=Average``) or sums the gradients over ranks before applying them.
-
-    Accumulating gradients: use the Keras optimizer's own ``gradient_accumulation_steps``
-    (``backward_passes_per_step`` > 1 is refused).
-    """
-    _core.check_process_set(process_set, "DistributedOptimizer")
-    op = _check_gradient_args(op, gradient_predivide_factor, "DistributedOptimizer")
-    if int(backward_passes_per_step) != 1:
-        raise ValueError("backward_passes_per_step > 1: give the Keras optimizer "
-                         "gradient_accumulation_steps=N instead")
-    f = float(gradient_predivide_factor)
-    base = optimizer.__class__
-
-    def apply(self, grads, trainable_variables=None):
-        grads = allreduce_gradients(list(grads), op, compression, f)
-        return base.apply(self, grads, trainable_variables)
-
-    cls = type(base.__name__, (base,), {"apply": apply, "_hvd_distributed": True})
-    config = optimizer.get_config()
-    if name is not None:
-        config["name"] = name
-    return cls.from_config(config)
 
 
 def broadcast_global_variables(root_rank: int) -> None:
@@ -60,6 +30,10 @@ def broadcast_global_variables(root_rank: int) -> None:
     (Keras 3 keeps no global collection: they are found by the garbage collector and
     matched by variable path)."""
     import gc
+    # Models and optimizers a rank no longer holds may sit in reference cycles until the
+    # collector runs, which happens at a different moment on each rank: collect first, so
+    # every rank finds the objects it still holds, and only those.
+    gc.collect()
     seen, found = set(), []
     for obj in gc.get_objects():
         if isinstance(obj, (keras.Model, keras.optimizers.Optimizer)):

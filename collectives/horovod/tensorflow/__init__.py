@@ -16,23 +16,16 @@ import numpy as np
 import tensorflow as tf
 
 from .. import _core
-from .._core import (Average, HorovodInternalError, HorovodMismatchError,  # noqa: F401
-                     HorovodUnsupportedError, Max, Min, Product, Sum, barrier, ccl_built,
-                     cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled,
-                     global_process_set, is_homogeneous, is_initialized, local_rank,
-                     local_size, mpi_built, mpi_enabled, mpi_threads_supported, rank,
-                     rocm_built, shutdown, size)
+from .._core import *  # noqa: F401,F403 (the framework-neutral API: _core.__all__)
+from .._core import Average, Sum, global_process_set, local_rank, local_size, rank, size
 from ..compression import FP16Compressor, NoneCompressor
 
-__all__ = [
-    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
-    "cross_size", "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_built",
-    "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built", "ccl_built",
-    "cuda_built", "rocm_built", "size_op", "rank_op", "local_size_op", "local_rank_op",
+__all__ = _core.__all__ + [
+    "init", "nccl_built", "cuda_built", "size_op", "rank_op", "local_size_op", "local_rank_op",
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_", "alltoall",
-    "reducescatter", "barrier", "join", "broadcast_variables", "broadcast_object",
+    "reducescatter", "join", "broadcast_variables", "broadcast_object",
     "allgather_object", "DistributedGradientTape", "DistributedOptimizer", "Compression",
-    "SyncBatchNormalization", "Average", "Sum", "Min", "Max", "Product", "global_process_set",
+    "SyncBatchNormalization",
 ]
 
 
@@ -365,11 +358,35 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa
     return _DistributedGradientTape(gradtape, compression, op, float(gradient_predivide_factor))
 
 
-def DistributedOptimizer(optimizer, *args, **kwargs):  # noqa: N802
-    """A Keras optimizer (``tf.keras``/Keras 3) whose ``apply`` averages gradients over
-    ranks first: ``collectives.horovod.keras.DistributedOptimizer``."""
-    from ..keras import DistributedOptimizer as keras_optimizer
-    return keras_optimizer(optimizer, *args, **kwargs)
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",  # noqa: N802
+                         compression=Compression.none, sparse_as_dense=False,
+                         gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
+                         average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=global_process_set, scale_local_gradients=True):
+    """A copy of the Keras ``optimizer`` (``tf.keras``/Keras 3; same class and config)
+    whose ``apply`` averages (``op=Average``) or sums the gradients over ranks before
+    applying them (also ``collectives.horovod.keras.DistributedOptimizer``).
+
+    Accumulating gradients: use the Keras optimizer's own ``gradient_accumulation_steps``
+    (``backward_passes_per_step`` > 1 is refused).
+    """
+    _core.check_process_set(process_set, "DistributedOptimizer")
+    op = _check_gradient_args(op, gradient_predivide_factor, "DistributedOptimizer")
+    if int(backward_passes_per_step) != 1:
+        raise ValueError("backward_passes_per_step > 1: give the Keras optimizer "
+                         "gradient_accumulation_steps=N instead")
+    f = float(gradient_predivide_factor)
+    base = optimizer.__class__
+
+    def apply(self, grads, trainable_variables=None):
+        grads = allreduce_gradients(list(grads), op, compression, f)
+        return base.apply(self, grads, trainable_variables)
+
+    cls = type(base.__name__, (base,), {"apply": apply, "_hvd_distributed": True})
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    return cls.from_config(config)
 
 
 def __dir__():

@@ -9,34 +9,26 @@ Imports torch, never TensorFlow.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from .. import _core
-from .._core import (Average, HorovodInternalError, HorovodMismatchError,  # noqa: F401
-                     HorovodUnsupportedError, Max, Min, Product, Sum, barrier, ccl_built,
-                     cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled,
-                     global_process_set, is_homogeneous, is_initialized, local_rank,
-                     local_size, mpi_built, mpi_enabled, mpi_threads_supported, rank,
-                     rocm_built, shutdown, size)
+from .._core import *  # noqa: F401,F403 (the framework-neutral API: _core.__all__)
+from .._core import Average, Max, Min, Product, Sum, global_process_set, rank, size
 from .compression import Compression
 from .sync_batch_norm import SyncBatchNorm  # noqa: F401
 
-__all__ = [
-    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
-    "cross_size", "cross_rank", "is_homogeneous", "mpi_threads_supported",
-    "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
-    "ccl_built", "cuda_built", "rocm_built",
+__all__ = _core.__all__ + [
+    "init", "nccl_built", "cuda_built",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
-    "barrier", "join", "poll", "synchronize", "broadcast_object", "allgather_object",
+    "join", "poll", "synchronize", "broadcast_object", "allgather_object",
     "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
-    "Compression", "SyncBatchNorm", "Average", "Sum", "Min", "Max", "Product",
-    "global_process_set", "HorovodInternalError",
+    "Compression", "SyncBatchNorm",
 ]
 
 
@@ -122,8 +114,34 @@ def synchronize(handle: _core.Handle) -> Any:
     return _job("synchronize").engine.synchronize(handle)
 
 
+def _async_apis(start: Callable[..., _core.Handle], where: str, first: str, doc: str,
+                doc_inplace: str) -> tuple[Callable[..., _core.Handle], ...]:
+    """The public ``where`` and ``where_`` (in place): Horovod's arguments, checked, then
+    ``start`` (``_allreduce_async`` or ``_grouped_async``). ``first``: the name Horovod
+    gives the first argument (``tensor`` or ``tensors``)."""
+    return (_async_api(start, where, first, False, doc),
+            _async_api(start, where + "_", first, True, doc_inplace))
+
+
+def _async_api(start: Callable[..., _core.Handle], where: str, first: str, inplace: bool,
+               doc: str) -> Callable[..., _core.Handle]:
+
+    def call(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+             postscale_factor=1.0, process_set=global_process_set):
+        op = _core.op_from_average(op, average, where)
+        return start(tensor, inplace, name, op, prescale_factor, postscale_factor,
+                     process_set, where)
+
+    # Callers may pass the first argument by Horovod's keyword: give the parameter its name.
+    code = call.__code__
+    call.__code__ = code.replace(co_varnames=(first,) + code.co_varnames[1:])
+    call.__name__ = call.__qualname__ = where
+    call.__doc__ = doc
+    return call
+
+
 # -- allreduce
-def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor,
+def _allreduce_async(tensor, inplace, name, op, prescale_factor, postscale_factor,
                      process_set, where):
     _core.check_process_set(process_set, where)
     x = _np(tensor, where)
@@ -131,8 +149,8 @@ def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor
 
     def run():
         y = _core.np_allreduce(comm, x, op, prescale_factor, postscale_factor,
-                               inplace=output is tensor and tensor.device.type == "cpu")
-        if output is tensor:
+                               inplace=inplace and tensor.device.type == "cpu")
+        if inplace:
             if tensor.device.type != "cpu":
                 tensor.data.copy_(_tensor(y, tensor))
             return tensor
@@ -140,33 +158,23 @@ def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor
     return _submit("allreduce", name, [x], run, op)
 
 
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                    postscale_factor=1.0, process_set=global_process_set):
-    """Start an allreduce (default op Average); ``synchronize`` returns a new tensor."""
-    op = _core.op_from_average(op, average, "allreduce_async")
-    return _allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor,
-                            process_set, "allreduce_async")
-
-
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                     postscale_factor=1.0, process_set=global_process_set):
-    """Start an in-place allreduce; ``synchronize`` returns ``tensor``, reduced."""
-    op = _core.op_from_average(op, average, "allreduce_async_")
-    return _allreduce_async(tensor, tensor, name, op, prescale_factor, postscale_factor,
-                            process_set, "allreduce_async_")
+allreduce_async, allreduce_async_ = _async_apis(
+    _allreduce_async, "allreduce_async", "tensor",
+    "Start an allreduce (default op Average); ``synchronize`` returns a new tensor.",
+    "Start an in-place allreduce; ``synchronize`` returns ``tensor``, reduced.")
 
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
         ctx.args = (op, prescale_factor, postscale_factor)
-        return synchronize(_allreduce_async(tensor, None, name, op, prescale_factor,
+        return synchronize(_allreduce_async(tensor, False, name, op, prescale_factor,
                                             postscale_factor, None, "allreduce"))
 
     @staticmethod
     def backward(ctx, grad):
         op, pre, post = ctx.args
-        return synchronize(_allreduce_async(grad.contiguous(), None, None, op, pre, post, None,
+        return synchronize(_allreduce_async(grad.contiguous(), False, None, op, pre, post, None,
                                             "allreduce")), None, None, None, None
 
 
@@ -179,7 +187,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     if compressed.requires_grad and op in (Average, Sum):
         out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor)
     else:
-        out = synchronize(_allreduce_async(compressed, None, name, op, prescale_factor,
+        out = synchronize(_allreduce_async(compressed, False, name, op, prescale_factor,
                                            postscale_factor, None, "allreduce"))
     return compression.decompress(out, cctx)
 
@@ -219,18 +227,10 @@ def _grouped_async(tensors, inplace, name, op, prescale_factor, postscale_factor
     return _submit("grouped_allreduce", name, xs, run, op)
 
 
-def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0, process_set=global_process_set):
-    op = _core.op_from_average(op, average, "grouped_allreduce_async")
-    return _grouped_async(tensors, False, name, op, prescale_factor, postscale_factor,
-                          process_set, "grouped_allreduce_async")
-
-
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0, process_set=global_process_set):
-    op = _core.op_from_average(op, average, "grouped_allreduce_async_")
-    return _grouped_async(tensors, True, name, op, prescale_factor, postscale_factor,
-                          process_set, "grouped_allreduce_async_")
+grouped_allreduce_async, grouped_allreduce_async_ = _async_apis(
+    _grouped_async, "grouped_allreduce_async", "tensors",
+    "Start a grouped allreduce; ``synchronize`` returns a list of new tensors.",
+    "Start an in-place grouped allreduce; ``synchronize`` returns ``tensors``, reduced.")
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none,

@@ -1,6 +1,7 @@
 """The wrapper every rank runs under (the remote side of the launcher; standard library only).
 
-``python -S rankexec.py -- PROGRAM ARGS...`` runs on each rank, before the user's program:
+``python3 -S <repo>/launcher/remote/rankexec.py -- PROGRAM ARGS...`` runs on each rank, before
+the user's program:
 
 * exports DTRUN_RANK, DTRUN_LOCAL_RANK, DTRUN_SIZE, DTRUN_LOCAL_SIZE derived from the
   MPI flavor's own variables (Open MPI's OMPI_COMM_WORLD_*, Hydra's PMI_* / MPI_LOCAL*);
@@ -34,21 +35,23 @@ It stays the parent of the program so it can report how it ended; the program ge
 PR_SET_PDEATHSIG so it never outlives the wrapper when MPI kills the job, and the
 wrapper stops the program when its own parent (the MPI daemon) dies.
 """
+import sys
+
+if __name__ == "__main__" and "launcher.remote" not in sys.modules:  # started as a script
+    import os
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import errno
 import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
-MARKER = "dtrun-rank-exit:"
-START_MARKER = "dtrun-rank-start:"
-EOF_MARKER = "dtrun-rank-eof:"
-MARKER_TOKEN_ENV = "DTRUN_MARKER_TOKEN"
-_TOKEN_RE = re.compile(r"[0-9A-Za-z]{1,64}")
+from launcher.remote import wire
+from launcher.remote.wire import MARKER_TOKEN_ENV, job_token
 MARKER_LINGER_S = 0.3
 OUTPUT_DRAIN_BPS = 20e6  # bytes a second assumed to leave through the launcher at the end
 OUTPUT_LINGER_MAX_S = 3.0
@@ -60,17 +63,6 @@ _RANK_VARS = (
 )
 _PY_FLAGS_NOARG = set("bBdEhiIOqsSuvx")
 _PY_FLAGS_ARG = {"-W", "-X", "--check-hash-based-pycs"}
-
-
-def marker_head(name, token):
-    """A marker's fixed start, with the job's token: ``dtrun-rank-eof: token=T`` (no token: the name)."""
-    return f"{name} token={token}" if token else name
-
-
-def job_token(environ):
-    """The job's marker token from dtrun (letters and digits only), or "" outside dtrun."""
-    token = environ.get(MARKER_TOKEN_ENV, "")
-    return token if _TOKEN_RE.fullmatch(token) else ""
 
 
 class LogError(Exception):
@@ -122,7 +114,7 @@ def open_log(log_dir, rank):
 
 def _sweep_sessions():
     try:
-        import sessiondirs
+        from launcher.remote import sessiondirs
         sessiondirs.keep_daemon_dir(os.getppid())  # lock the daemon's own directory while it lives
         sessiondirs.sweep()
     except Exception:  # tidying must never disturb the rank
@@ -265,75 +257,34 @@ def _pdeathsig():
         pass
 
 
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "--":
-        argv = argv[1:]
-    if not argv:
-        sys.stderr.write("rankexec: no program given\n")
-        return 2
+def _write(stream, text):
+    stream.write(text)
+    stream.flush()
+
+
+def _never_ran(token, rank, host, code, why, program):
+    """Report a program that could not start like one that failed: the end-of-output marker
+    (nothing else will be written), then an exit marker naming the reason; dtrun names the host."""
+    _write(sys.stdout, wire.eof_line(token, rank))
+    _write(sys.stderr, wire.exit_line(token, rank, host, time.time(), code=code, start_error=why, program=program))
+    time.sleep(MARKER_LINGER_S)
+    return code
+
+
+def _program_env():
+    """The program's environment: the flavor's rank variables as DTRUN_* and torchrun's, the GPU pin."""
     env = dict(os.environ)
     env.update(rank_env(env))
     env.update(torch_env(env))
     if env.get("DTRUN_GPU_PER_RANK") == "1":
         env["CUDA_VISIBLE_DEVICES"] = pinned_gpu(env, env["DTRUN_LOCAL_RANK"])
-    rank = env["DTRUN_RANK"]
-    host = socket.gethostname()
-    token = job_token(env)
-    env.pop(MARKER_TOKEN_ENV, None)  # the program has no use for it: its own output never carries it
-    exit_marker, eof_marker = marker_head(MARKER, token), marker_head(EOF_MARKER, token)
-    prog = with_abort_on_exception(argv)
-    stdout = stderr = log_path = None
-    log_dir = env.get("DTRUN_LOG_DIR")
-    if log_dir:
-        log_path = os.path.join(log_dir, f"rank.{rank}.log")
-        try:
-            stdout = open_log(log_dir, rank)
-        except LogError as exc:
-            # Reported like a program that cannot start: dtrun names the log, the reason and the host.
-            sys.stderr.write(f"{marker_head(START_MARKER, token)} rank={rank} host={host}\n")
-            sys.stdout.write(f"{eof_marker} rank={rank}\n")
-            sys.stdout.flush()
-            why = str(exc).replace(";", ",").replace("\n", " ")
-            sys.stderr.write(f"{exit_marker} rank={rank} host={host} code=1 t={time.time():.6f} "
-                             f"start-error={why}; program=--log-dir\n")
-            sys.stderr.flush()
-            time.sleep(MARKER_LINGER_S)
-            return 1
-        stderr = subprocess.STDOUT
-    # Hang diagnosis (launcher/rankstate.py): state file + faulthandler armed in the program.
-    job_dir = env.get("DTRUN_JOB_DIR")
-    if job_dir:
-        import rankstate
-        if rankstate.prepare(job_dir):
-            prog = rankstate.with_stack_dump(prog, job_dir, rank, env)
-        else:
-            job_dir = None
-    sys.stderr.write(f"{marker_head(START_MARKER, token)} rank={rank} host={host}\n")
-    sys.stderr.flush()
+    return env
+
+
+def _supervise(child, env):
+    """Forward the launcher's signals to the program and wait for it; stop it if the MPI daemon
+    that started this wrapper dies. Returns (returncode, when it ended, signals forwarded, bytes written)."""
     forwarded = []
-    # MPI launchers hand each rank inherited descriptors (Hydra's PMI socket in PMI_FD); closing
-    # them makes MPI_Init fail ("PMI_Get_appnum returned -1" under MPICH). Those named by a
-    # *_FD variable are kept; no others, so no stray descriptor (an ssh client's pipe under
-    # Open MPI) outlives the job through the program.
-    try:
-        child = subprocess.Popen(prog, env=env, stdout=stdout, stderr=stderr, preexec_fn=_pdeathsig,
-                                 pass_fds=inherited_fds(env))
-    except OSError as exc:
-        # The shell's convention: 127 for a command that is not there, 126 for one that cannot run.
-        code = 127 if isinstance(exc, FileNotFoundError) else 126
-        why = "command not found" if code == 127 else (exc.strerror or "cannot run").lower()
-        name = argv[0].replace("\n", " ")
-        sys.stdout.write(f"{eof_marker} rank={rank}\n")  # nothing else will be written
-        sys.stdout.flush()
-        sys.stderr.write(f"{exit_marker} rank={rank} host={host} code={code} t={time.time():.6f} "
-                         f"start-error={why}; program={name}\n")
-        sys.stderr.flush()
-        time.sleep(MARKER_LINGER_S)
-        return code
-    if job_dir:
-        rankstate.write_state(job_dir, rank, host, child.pid, argv, log_path)
-        rankstate.record_daemon(job_dir, host, os.getppid())
 
     def forward(signum, _frame):
         forwarded.append(signum)
@@ -360,7 +311,7 @@ def main(argv=None):
     threading.Thread(target=watch, daemon=True).start()
     if env.get("DTRUN_LOCAL_RANK") == "0" and "PMIX_NAMESPACE" in env:
         # Open MPI: remove what killed jobs left on this host, so that no later daemon here
-        # is refused for a pid a stale session directory names (launcher/sessiondirs.py).
+        # is refused for a pid a stale session directory names (launcher/remote/sessiondirs.py).
         threading.Thread(target=_sweep_sessions, daemon=True).start()
     while not exited.wait(1.0):
         # The launcher's daemon died (killed, OOM): stop the rank rather than leave it running.
@@ -371,10 +322,12 @@ def main(argv=None):
             forward(signal.SIGKILL, None)
     written = _bytes_written(child.pid)
     rc = child.wait()
-    t_end = ended_at[0] if ended_at else time.time()
-    if job_dir:
-        rankstate.cleanup(job_dir, rank)
-    if not log_dir:
+    return rc, (ended_at[0] if ended_at else time.time()), forwarded, written
+
+
+def _report_end(rc, t_end, forwarded, written, logged, token, rank, host):
+    """The end-of-output marker, then for a failed program its exit marker; the wrapper's exit code."""
+    if not logged:
         # Open MPI forwards a remote rank's output through its daemon and was seen to drop what
         # was still on the way when the rank's exit ended the job: stay a moment longer after
         # a rank that wrote much (none after one that wrote little).
@@ -382,8 +335,7 @@ def main(argv=None):
     # The last line on stdout, after all of the program's own output: dtrun knows the rank's
     # output arrived whole when it sees this (Open MPI can drop the end of it when the job ends).
     try:
-        sys.stdout.write(f"{eof_marker} rank={rank}\n")
-        sys.stdout.flush()
+        _write(sys.stdout, wire.eof_line(token, rank))
     except OSError:
         pass
     if rc < 0 and not forwarded and -rc in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -393,18 +345,68 @@ def main(argv=None):
         time.sleep(0.2)
     if rc < 0:
         # forwarded=1: the launcher was stopping this rank; 0: someone else killed it.
-        sys.stderr.write(f"{exit_marker} rank={rank} host={host} signal={-rc} forwarded={int(bool(forwarded))} "
-                         f"t={t_end:.6f}\n")
-        sys.stderr.flush()
+        _write(sys.stderr, wire.exit_line(token, rank, host, t_end, signum=-rc, forwarded=bool(forwarded)))
         return 128 - rc
     if rc != 0:
         # t=: when it ended, so dtrun can tell the first failure from the errors it caused elsewhere
-        sys.stderr.write(f"{exit_marker} rank={rank} host={host} code={rc} t={t_end:.6f}\n")
-        sys.stderr.flush()
+        _write(sys.stderr, wire.exit_line(token, rank, host, t_end, code=rc))
         # Give the launcher a moment to forward the marker before it learns of this exit and
         # tears the job down (Hydra was seen to drop it otherwise).
         time.sleep(MARKER_LINGER_S)
     return rc
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        sys.stderr.write("rankexec: no program given (usage: python3 -S rankexec.py -- PROGRAM [ARGS...])\n")
+        return 2
+    env = _program_env()
+    rank, host = env["DTRUN_RANK"], socket.gethostname()
+    token = job_token(env)
+    env.pop(MARKER_TOKEN_ENV, None)  # the program has no use for it: its own output never carries it
+    prog = with_abort_on_exception(argv)
+    stdout = stderr = log_path = None
+    log_dir = env.get("DTRUN_LOG_DIR")
+    if log_dir:
+        log_path = os.path.join(log_dir, f"rank.{rank}.log")
+        try:
+            stdout = open_log(log_dir, rank)
+        except LogError as exc:
+            # Reported like a program that cannot start: dtrun names the log, the reason and the host.
+            _write(sys.stderr, wire.start_line(token, rank, host))
+            return _never_ran(token, rank, host, 1, str(exc), "--log-dir")
+        stderr = subprocess.STDOUT
+    # Hang diagnosis (launcher/remote/rankstate.py): state file + faulthandler armed in the program.
+    job_dir = env.get("DTRUN_JOB_DIR")
+    if job_dir:
+        from launcher.remote import rankstate
+        if rankstate.prepare(job_dir):
+            prog = rankstate.with_stack_dump(prog, job_dir, rank, env)
+        else:
+            job_dir = None
+    _write(sys.stderr, wire.start_line(token, rank, host))
+    # MPI launchers hand each rank inherited descriptors (Hydra's PMI socket in PMI_FD); closing
+    # them makes MPI_Init fail ("PMI_Get_appnum returned -1" under MPICH). Those named by a
+    # *_FD variable are kept; no others, so no stray descriptor (an ssh client's pipe under
+    # Open MPI) outlives the job through the program.
+    try:
+        child = subprocess.Popen(prog, env=env, stdout=stdout, stderr=stderr, preexec_fn=_pdeathsig,
+                                 pass_fds=inherited_fds(env))
+    except OSError as exc:
+        # The shell's convention: 127 for a command that is not there, 126 for one that cannot run.
+        code = 127 if isinstance(exc, FileNotFoundError) else 126
+        why = "command not found" if code == 127 else (exc.strerror or "cannot run").lower()
+        return _never_ran(token, rank, host, code, why, argv[0])
+    if job_dir:
+        rankstate.write_state(job_dir, rank, host, child.pid, argv, log_path)
+        rankstate.record_daemon(job_dir, host, os.getppid())
+    rc, t_end, forwarded, written = _supervise(child, env)
+    if job_dir:
+        rankstate.cleanup(job_dir, rank)
+    return _report_end(rc, t_end, forwarded, written, bool(log_dir), token, rank, host)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The far side of the straggler finding and `dtrun top`: how each rank on this host spends
-its time. Standard library only; run as ``python -S stackagent.py sample JOB_DIR WINDOW [RATE [VIA]]``.
+its time. Standard library only; run as ``python3 -S agent.py sample JOB_DIR WINDOW [RATE [VIA]]``.
 
 Every WINDOW seconds it prints one JSON line for this host: per rank, the CPU % and RSS
 and state from /proc; for the bundled runtime, the collectives it started and the share of
@@ -24,6 +24,8 @@ import tempfile
 import threading
 import time
 
+from launcher.remote import procfs, pystacks, rankstate, wire
+
 # Parts of a path that make a frame a communication call: the caller is waiting for peers.
 WAIT_PATHS = ("/torch/distributed/", "/mpi4py/", "/horovod/", "/nccl", "/cupy/cuda/nccl", "/deepspeed/comm/")
 # mpi4py's methods are compiled (no frame of their own): the user's line that calls one is
@@ -39,19 +41,11 @@ _RAW_FRAME = re.compile(r"^(.*) \((.*):(\d+)\)$")
 # Set-up calls left out of the figures, like imports (and torch's init_process_group): their
 # waiting is for peers that are still starting.
 RUNTIME_START_UP = ("init", "Comm.__init__", "__init__")
-RUNTIME_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "collectives") + os.sep
+RUNTIME_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "collectives") + os.sep
 REC_POLL_HZ = 200.0  # reads of a rank's "inside a collective" flag per second (a few microseconds each)
 FH_RATE = 2.0  # faulthandler dumps per second at most: each one makes the rank write every stack
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _agent():
-    try:
-        import stackagent  # run as a script: launcher/ is sys.path[0]
-    except ImportError:
-        from launcher import stackagent
-    return stackagent
 
 
 # ------------------------------------------------------------------ pure parts
@@ -150,26 +144,13 @@ def _num(text):
 
 # ------------------------------------------------------------------ reading a rank
 
-def proc_sample(pid):
-    """(cpu ticks, rss bytes, state letter) from /proc, or None when the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-        fields = raw[raw.rfind(b")") + 2:].split()
-        with open(f"/proc/{pid}/statm") as f:
-            rss = int(f.read().split()[1]) * PAGE
-        return int(fields[11]) + int(fields[12]), rss, fields[0].decode()
-    except (OSError, IndexError, ValueError):
-        return None
-
 
 def recorder_seq(job_dir, rank, pid):
     """The newest sequence number in the rank's flight recorder (None without one)."""
-    ag = _agent()
-    words = ag._recorder_words(job_dir, rank)
+    words = rankstate.recorder_words(job_dir, rank)
     if words is None or words[2] != pid:
         return None
-    return max(words[ag.REC_HEADER::2], default=0)
+    return wire.rec_newest_seq(words)
 
 
 def poll_inside(job_dir, rank, pid, until, hz=REC_POLL_HZ):
@@ -179,20 +160,19 @@ def poll_inside(job_dir, rank, pid, until, hz=REC_POLL_HZ):
     import mmap
     import struct
 
-    ag = _agent()
     try:
-        with open(os.path.join(job_dir, f"rank.{rank}.rec"), "rb") as f:
+        with open(os.path.join(job_dir, wire.rec_file(rank)), "rb") as f:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError):
         return None
     try:
-        if len(mm) < 8 * ag.REC_HEADER:
+        if len(mm) < 8 * wire.REC_HEADER_WORDS:
             return None
         magic, version, rpid = struct.unpack_from("qqq", mm, 0)
-        if magic != ag.REC_MAGIC or version < ag.REC_TIMED_VERSION or rpid != pid:
+        if magic != wire.REC_MAGIC or version < wire.REC_INSIDE_SINCE or rpid != pid:
             return None
         polls = inside = 0
-        off, step = 8 * ag.REC_INSIDE, 1.0 / hz
+        off, step = 8 * wire.REC_INSIDE_WORD, 1.0 / hz
         while time.monotonic() < until:
             polls += 1
             inside += struct.unpack_from("q", mm, off)[0] != 0
@@ -223,7 +203,7 @@ class _Source:
 
 def pyspy_record(pid, seconds, rate):
     """py-spy samples of the main thread over ``seconds`` (fewer when the rank ends first)."""
-    exe = _agent()._pyspy()
+    exe = pystacks.pyspy_path()
     if not exe:
         return None, "py-spy not installed"
     fd, out = tempfile.mkstemp(prefix="dtrun-sample-", suffix=".txt")
@@ -252,13 +232,12 @@ def pyspy_record(pid, seconds, rate):
 
 
 def faulthandler_samples(job_dir, rank, pid, seconds):
-    """Stacks from the rank's faulthandler, at most FH_RATE a second (stackagent asks only
+    """Stacks from the rank's faulthandler, at most FH_RATE a second (the agent asks only
     when the rank handles the signal at that moment, never otherwise)."""
-    ag = _agent()
     samples, err, deadline = [], None, time.monotonic() + seconds
     while time.monotonic() < deadline:
         t = time.monotonic()
-        threads, err = ag.faulthandler_stacks(job_dir, rank, pid, 1.0)
+        threads, err = pystacks.faulthandler_stacks(job_dir, rank, pid, 1.0)
         if threads is None:
             break
         main = next((th for th in threads if th.get("main")), threads[0] if threads else None)
@@ -281,20 +260,19 @@ def _cwd_paths(samples, pid):
 
 
 def sample_rank(job_dir, st, window, rate, via):
-    ag = _agent()
     rank, pid = st["rank"], st.get("pid")
     out = {"rank": rank, "pid": pid}
-    refusal = ag._rankstate().job_process(job_dir, pid, st.get("start"))
+    refusal = rankstate.job_process(job_dir, pid, st.get("start"))
     if refusal is not None:
         out["error"] = "process has exited" if refusal.exited else f"not examined: {refusal.why}"
         return out
-    t0, p0 = time.monotonic(), proc_sample(pid)
+    t0, p0 = time.monotonic(), procfs.proc_sample(pid)
     r0 = recorder_seq(job_dir, rank, pid)
     polled = [None]
     poller = threading.Thread(target=lambda: polled.__setitem__(0, poll_inside(job_dir, rank, pid, t0 + window)),
                               daemon=True)
     poller.start()
-    exe = ag.proc_info(pid).get("exe", "")
+    exe = procfs.proc_info(pid).get("exe", "")
     python = "python" in exe or os.path.exists(os.path.join(job_dir, f"rank.{rank}.stack.armed"))
     samples, errors = None, []
     if python and via != "faulthandler" and via != "proc":
@@ -307,10 +285,10 @@ def sample_rank(job_dir, st, window, rate, via):
         out["via"] = "faulthandler"
         if samples is None:
             errors.append(err)
-    while time.monotonic() < t0 + window and proc_sample(pid) is not None:
+    while time.monotonic() < t0 + window and procfs.proc_sample(pid) is not None:
         time.sleep(0.05)
     poller.join(window + 5)
-    t1, p1 = time.monotonic(), proc_sample(pid)
+    t1, p1 = time.monotonic(), procfs.proc_sample(pid)
     r1 = recorder_seq(job_dir, rank, pid)
     out["span"] = round(t1 - t0, 3)
     last = p1 or p0
@@ -353,7 +331,7 @@ def gpu_use():
 
 def sample_host(job_dir, window, rate, via):
     """One window on this host: every local rank at once."""
-    ranks = _agent().local_ranks(job_dir)
+    ranks = rankstate.host_ranks(job_dir)
     results = [None] * len(ranks)
     gpu = [([], {})]
 

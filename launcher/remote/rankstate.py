@@ -1,16 +1,16 @@
 """What each rank leaves in the job directory so dtrun can find it while it runs.
 
-Runs inside the rank wrapper (launcher/rankexec.py) on every host: standard library only.
+Runs inside the rank wrapper (launcher/remote/rankexec.py) on every host: standard library only.
 
 For rank N the wrapper writes, under the job directory (``$DTRUN_JOB_DIR``, the same path
 on every host, local to each host):
 
 * ``rank.N.json``: rank, host, the program's pid and the wrapper's with their start times,
-  the program, the log file; read by ``launcher/stackagent.py`` to know which processes to
+  the program, the log file; read by ``launcher/remote/agent.py`` to know which processes to
   look at;
 * ``daemon.PID.json``: the MPI daemon that started the wrapper on this host (prted, orted,
   hydra_pmi_proxy) with its start time, so that dtrun can stop a daemon that outlived a
-  job it stopped (``stackagent.py kill``); the last rank of the job on this host to end
+  job it stopped (``agent.py kill``); the last rank of the job on this host to end
   removes it (one per daemon), and with it the job directory when nothing else is left
   there (a host without a shared file system keeps nothing of the job);
 * ``rank.N.stack``: where Python's faulthandler writes every thread's stack when the rank
@@ -35,6 +35,9 @@ import os
 import signal
 import socket
 import stat
+
+from launcher.remote import wire
+from launcher.remote.procfs import gone, proc_parent, proc_start, valid_pid
 
 # Offset from SIGRTMIN of the signal that makes a rank dump its stacks (SIGRTMIN+6).
 DUMP_SIGNAL_OFFSET = 6
@@ -118,63 +121,9 @@ def write_state(job_dir, rank, host, pid, argv, log_path=None):
 DAEMON_NAMES = ("prted", "orted", "hydra_pmi_proxy")
 
 
-def proc_start(pid):
-    """(name, start time in clock ticks) of a live process, or None: together they tell a
-    process from a later one that reuses its pid."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    name = raw[raw.find(b"(") + 1:raw.rfind(b")")].decode("utf-8", "replace")
-    fields = raw[raw.rfind(b")") + 2:].split()
-    try:
-        return name, int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
-# Above the largest pid Linux hands out (PID_MAX_LIMIT): a bigger number in a state file is
-# not a process id (and would overflow os.kill).
-PID_LIMIT = 1 << 22
 # Every rank wrapper and rank program of a job carries its job directory in its environment
 # (launcher/command.py): what tells the job's processes from any other on the host.
 JOB_VAR = "DTRUN_JOB_DIR"
-
-
-def valid_pid(pid):
-    """``pid`` when it can name one ordinary process (an int above 1: not init, not a
-    process group, not "every process"), else None."""
-    return pid if type(pid) is int and 1 < pid < PID_LIMIT else None
-
-
-def _stat_fields(pid):
-    """The fields of /proc/PID/stat after the name (state first), or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    return raw[raw.rfind(b")") + 2:].split()
-
-
-def proc_parent(pid):
-    try:
-        return int(_stat_fields(pid)[1])
-    except (TypeError, IndexError, ValueError):
-        return None
-
-
-def gone(pid, start):
-    """Whether the process recorded as (pid, start) has ended: no such pid, a later process
-    with it, or a zombie waiting for its parent."""
-    if valid_pid(pid) is None:
-        return True
-    fields = _stat_fields(pid)
-    try:
-        return fields is None or int(fields[19]) != start or fields[0] in (b"Z", b"X")
-    except (IndexError, ValueError):
-        return True
 
 
 def in_job(job_dir, pid, depth=4):
@@ -268,25 +217,54 @@ def cleanup(job_dir, rank):
     _after_last_rank(job_dir, host)
 
 
+def _host_files(job_dir):
+    """(N, state) for each ``rank.N.json`` of the job directory written on this host: only
+    files named by a number, since the number builds the paths that are read and removed."""
+    host = socket.gethostname()
+    try:
+        names = os.listdir(job_dir)
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        rank = name[len("rank."):-len(".json")] if name.startswith("rank.") and name.endswith(".json") else ""
+        st = read_json(os.path.join(job_dir, name)) if rank.isdigit() else None
+        if st is not None and st.get("host") == host:
+            out.append((rank, st))
+    return out
+
+
+def host_ranks(job_dir):
+    """The state of every rank of the job on this host, by rank number."""
+    out = [st for _, st in _host_files(job_dir) if type(st.get("rank")) is int and st["rank"] >= 0]
+    return sorted(out, key=lambda s: s["rank"])  # the rank names files (rank.N.rec): a number, nothing else
+
+
+def recorder_words(job_dir, rank):
+    """A rank's flight recorder file as int64 words, or None when it is missing or not a recorder."""
+    import array
+    try:
+        with open(os.path.join(job_dir, wire.rec_file(rank)), "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    words = array.array("q")
+    words.frombytes(raw[: len(raw) - len(raw) % 8])
+    if len(words) < wire.REC_HEADER_WORDS or words[0] != wire.REC_MAGIC:
+        return None
+    return words
+
+
 def tidy(job_dir):
     """What the wrappers of this host could not remove (a wrapper that was SIGKILLed, after a
     failed or stopped job): the files of every rank of this host whose program and wrapper
     have both ended, then, if no rank of this host is left, the host's daemon files and the
     job directory when empty. Returns the ranks whose files were removed."""
     host = socket.gethostname()
-    removed = []
-    try:
-        names = os.listdir(job_dir)
-    except OSError:
-        return removed
-    kept = False
-    for name in names:
-        rank = name[len("rank."):-len(".json")] if name.startswith("rank.") and name.endswith(".json") else ""
-        if not rank.isdigit():
-            continue  # only rank.N.json: the number builds the paths that are removed
-        st = read_json(os.path.join(job_dir, name))
-        if st is None or st.get("host") != host:
-            continue
+    if not os.path.isdir(job_dir):
+        return []
+    removed, kept = [], False
+    for rank, st in _host_files(job_dir):
         if gone(st.get("pid"), st.get("start")) and gone(st.get("wrapper_pid"), st.get("wrapper_start")):
             _remove_rank(job_dir, rank, host)
             removed.append(int(rank))

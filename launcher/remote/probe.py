@@ -17,14 +17,21 @@ Protocol, one JSON object per line:
      (started when the first request has ``"links": true``; its port is ``links_port``)
   then stdin closes and the probe exits, closing its listener.
 """
+import sys
+
+if __name__ == "__main__" and "launcher.remote" not in sys.modules:  # started as a script
+    import os
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import json
 import os
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
+
+from launcher.remote import sessiondirs
 
 PROBE_VERSION = 1
 # Programs whose resolution on PATH the env check reports.
@@ -333,12 +340,9 @@ def pairs(req):
 
 
 def stale_sessions():
-    """{"count", "paths"} of this host's stale Open MPI 5 session directories, or None where the
-    probe runs without launcher/sessiondirs.py (checks/probe.py sends it ahead of this file)."""
-    find, top = globals().get("stale"), globals().get("top_dir")
-    if find is None or top is None:
-        return None
-    found = find(top())
+    """{"count", "paths"} of this host's stale Open MPI 5 session directories (found with the
+    code dtrun removes them with)."""
+    found = sessiondirs.stale(sessiondirs.top_dir())
     return {"count": len(found), "paths": found[:20]}
 
 

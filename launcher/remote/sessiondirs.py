@@ -30,19 +30,26 @@ lock; and no process has that PID in this pid namespace. A directory without our
 process (its pid is alive).
 
 dtrun sweeps the launching host before and after every Open MPI 5 job, each host's local
-rank 0 sweeps its host while the job runs (``launcher/rankexec.py``), the kill agent sweeps
-after it kills a job's daemons (``launcher/stackagent.py``) and a daemon's keeper removes
+rank 0 sweeps its host while the job runs (``launcher/remote/rankexec.py``), the kill agent sweeps
+after it kills a job's daemons (``launcher/remote/agent.py``) and a daemon's keeper removes
 the directory the daemon left when it was killed, so a killed job's leftovers are gone
 before the next job there; ``dtrun doctor`` lists what is left on each host
-(``checks/remote_probe.py`` runs this module).
+(the probe, ``launcher/remote/probe.py``, runs this module).
 """
+import sys
+
+if __name__ == "__main__" and "launcher.remote" not in sys.modules:  # started as a script
+    import os
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import os
 import re
 import shutil
 import stat
-import sys
 import threading
 import time
+
+from launcher.remote.procfs import proc_start
 
 try:
     import fcntl
@@ -265,12 +272,7 @@ def sweep(environ=None) -> list:
 def _start_ticks(pid: int):
     """When process ``pid`` started (clock ticks since boot), or None: tells it from a later
     process given the same pid."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        return int(data[data.rfind(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
+    return (proc_start(pid) or (None, None))[1]
 
 
 def keep_daemon_dir(pid: int, environ=None):
@@ -329,7 +331,7 @@ def _keep(path: str, pid: int, start: int) -> int:
 class LauncherLock:
     """Holds the lock in mpirun's own session directory (``ompi.PID``) while the job runs.
 
-    A job observer of ``launcher/run.py``'s ``run_job`` (the same methods as its
+    A job observer of ``launcher.job.supervisor``'s ``run_job`` (the same methods as its
     ``JobObserver``; this module stays standard library only). The lock is taken at the
     first rank's start: mpirun is then past PMIx's start, which refuses a directory that
     is not its own, so the directory is this job's. Until then it has no lock file and

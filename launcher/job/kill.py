@@ -1,0 +1,97 @@
+"""Ending a job's processes, in one module: the launcher's session on this host, and the
+request to every host's agent (launcher/remote/agent.py ``kill``/``tidy``) to end what a
+stopped job left there.
+
+Only processes proven to be the job's are touched: this host's session is the one dtrun
+started mpirun in; on the other hosts the agent kills only ranks the job directory lists
+and the daemons that started them (it checks each against /proc itself).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from typing import Iterable, Sequence
+
+from launcher.remote.procfs import stat_fields
+
+
+def send_signal(proc, signum: int) -> None:
+    """Signal the launcher process, if it is still there."""
+    try:
+        proc.send_signal(signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def session_members(sid: int) -> list[int]:
+    """Processes of session ``sid`` on this host (mpirun and everything it started, ssh clients too)."""
+    found = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return found
+    me = os.getpid()
+    for name in names:
+        if not name.isdigit() or int(name) == me:
+            continue
+        fields = stat_fields(name)  # state, parent, process group, session, ...
+        if fields is not None and len(fields) > 3 and int(fields[3]) == sid:
+            found.append(int(name))
+    return found
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL the process group and every remaining process of session ``sid``."""
+    try:
+        os.killpg(sid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in session_members(sid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def kill_leftovers(job, nspace: str = "", budget: float = 5.0) -> None:
+    """On every host at once, have the agent SIGKILL any rank of ``job`` (a jobstate.JobInfo)
+    its directory still lists and the MPI daemons that started them (``nspace``: Open MPI 5's
+    PMIx namespace, which proves a daemon whose ranks have ended is this job's).
+
+    Bounded by ``budget`` seconds in all, whatever the network does (a silent host's ssh
+    client is killed when it runs out).
+    """
+    run_host_agents(job, "kill", dict.fromkeys(job.hosts), budget, (nspace,) if nspace else ())
+
+
+def tidy_remote_hosts(job, budget: float = 3.0) -> None:
+    """On every other host at once, remove what the job's ended ranks left in the job
+    directory there (the agent's ``tidy``); dtrun removes its own host's directory."""
+    from launcher.hosts import is_local
+
+    hosts = [h for h in dict.fromkeys(job.hosts) if not is_local(h)]
+    if hosts:
+        run_host_agents(job, "tidy", hosts, budget)
+
+
+def run_host_agents(job, mode: str, hosts: Iterable[str], budget: float, extra: Sequence[str] = ()) -> None:
+    """Run the agent's ``mode`` on ``hosts`` in parallel and wait at most ``budget`` seconds."""
+    from launcher.stacks import agent_argv
+
+    deadline = time.monotonic() + budget
+    procs = []
+    for host in hosts:
+        try:
+            procs.append(subprocess.Popen(agent_argv(job, host, mode, budget, extra), stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                                          start_new_session=True))
+        except OSError:
+            pass
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

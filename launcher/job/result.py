@@ -1,0 +1,163 @@
+"""The typed records of a job's end: why dtrun stopped it, how each rank ended, and the result.
+
+Pure values: no process, no I/O. ``launcher.job.summary`` renders them; the exit code
+follows from them here (``exit_code_for``).
+"""
+from __future__ import annotations
+
+import enum
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from launcher.errors import ExitCode, signal_exit_code, signal_name
+
+# Signals mpirun sends to the other ranks while it tears a failed job down (for markers
+# from wrappers that do not say whether they forwarded the signal).
+TEARDOWN_SIGNALS = frozenset({signal.SIGTERM, signal.SIGKILL, signal.SIGINT, signal.SIGHUP})
+SIGPIPE_EXIT = 128 + 13
+# mpirun gets this long after SIGINT to stop its ranks; then its whole session is killed.
+STOP_GRACE_S = 4.0
+
+
+class StopReason(enum.Enum):
+    """Why dtrun stopped a job (the launcher ending a job by itself is not a stop)."""
+
+    SIGNAL = "signal"  # a terminating signal reached dtrun (Ctrl-C, SIGTERM, a Slurm allocation's end)
+    TIMEOUT = "timeout"  # --timeout
+    START_TIMEOUT = "start timeout"  # --start-timeout: ranks had not started
+    RANK_FAILED = "rank failed"  # a rank failed and the launcher let the others run on
+    HANG = "hang"  # --on-hang abort or restart (launcher/hangwatch.py)
+    STDOUT_CLOSED = "stdout closed"  # dtrun's own stdout went away (| head)
+
+
+@dataclass(frozen=True)
+class StopState:
+    """One request to stop the job: the first one a job gets is why it was stopped."""
+
+    reason: StopReason
+    detail: str  # a sentence for the user ("the job ran longer than --timeout 5 s"), or a short tag
+    signum: Optional[int] = None  # the signal, for StopReason.SIGNAL
+
+
+@dataclass
+class RankFailure:
+    rank: str
+    host: str
+    code: Optional[int] = None
+    signum: Optional[int] = None
+    start_error: Optional[str] = None  # the rank wrapper could not start the program ("command not found")
+    program: Optional[str] = None
+    forwarded: Optional[bool] = None  # signal from the launcher's tear-down (None: unknown)
+    time: Optional[float] = None  # when the rank ended (its host's clock)
+
+    @property
+    def how(self) -> str:
+        if self.start_error:
+            return f"could not start {self.program}: {self.start_error}"
+        if self.signum is not None:
+            return f"killed by {signal_name(self.signum)}"
+        if self.code is None:
+            return "aborted the job"
+        return f"exited with code {self.code}"
+
+    @property
+    def torn_down(self) -> bool:
+        """Killed by the launcher while it stopped the job (a consequence, not a cause)."""
+        if self.signum is None:
+            return False
+        if self.forwarded is not None:
+            return self.forwarded
+        return self.signum in TEARDOWN_SIGNALS
+
+    def exit_code(self, mpirun_rc: int = ExitCode.FAILED) -> int:
+        if self.signum is not None:
+            return signal_exit_code(self.signum)
+        return self.code if self.code else (mpirun_rc or ExitCode.FAILED)
+
+
+@dataclass(kw_only=True)
+class JobResult:
+    returncode: int  # dtrun's exit code
+    mpirun_returncode: int
+    failures: list = field(default_factory=list)
+    interrupted: bool = False
+    signum: Optional[int] = None  # the signal that stopped dtrun
+    timeout: Optional[str] = None  # why a time limit stopped the job (a sentence)
+    stdout_closed: bool = False  # dtrun's stdout went away (| head): the job was stopped
+    lost_daemon_host: Optional[str] = None  # Open MPI lost its daemon on this host
+    vanished: list = field(default_factory=list)  # (rank, host) started, then never heard of again
+    notes: list = field(default_factory=list)  # warnings for the end of the run
+    hung: bool = False  # --on-hang abort stopped the job (launcher/hangwatch.py)
+    forced: bool = False  # mpirun did not stop in time: its session on this host was killed
+    stopped: bool = False  # dtrun stopped the job (a signal, a time limit, a failed rank, --on-hang abort)
+    pmix_refused: Optional[str] = None  # where PMIx 5.0 refused to start (a stale session dir: launcher/remote/sessiondirs.py)
+    launcher: str = "mpirun"  # the program that ran the job, as messages name it (srun, mpiexec.hydra, mpirun)
+    stop: Optional[StopState] = None  # why dtrun stopped the job (None: it ended by itself)
+
+    @property
+    def stop_reason(self) -> Optional[StopReason]:
+        return self.stop.reason if self.stop is not None else None
+
+
+def launcher_name(argv: Sequence[str]) -> str:
+    """The launcher as users know it: the name it was run by (srun, mpirun, mpiexec.hydra), also
+    after ``env NAME=VALUE ...`` (how dtrun hands srun values that its --export cannot carry)."""
+    args = list(argv)
+    if args and os.path.basename(args[0]) == "env":
+        args = args[1:]
+        while args and "=" in args[0] and not args[0].startswith("-"):
+            args = args[1:]
+    return os.path.basename(args[0]) if args else "mpirun"
+
+
+def expected_hosts(hosts: Sequence, np: int) -> list[str]:
+    """Host name of each rank when slots are filled in order (``--map-by slot``, Hydra's ``-hosts``)."""
+    order = [h.host for h in hosts for _ in range(max(int(h.slots), 1))]
+    if not order:
+        return []
+    return [order[r % len(order)] for r in range(np)]
+
+
+def order_failures(failures: Sequence[RankFailure], reported_rank: Optional[str] = None) -> list[RankFailure]:
+    """Put the root cause first.
+
+    Output from different hosts arrives in any order, so arrival order is not failure
+    order. First a rank killed by a signal the launcher did not send (``kill -9``, the
+    OOM killer, SIGSEGV): the others' errors follow from it; then ranks that exited with
+    a code, the earliest first (a rank that exits makes its peers fail a moment later
+    with errors of their own, and Open MPI may report one of those first); the rank
+    Open MPI reports breaks ties; last, ranks killed while the job was torn down.
+    """
+    def key(item):
+        i, f = item
+        category = 2 if f.torn_down else (0 if f.signum is not None else 1)
+        when = f.time if f.time is not None else float("inf")
+        reported = 0 if reported_rank is not None and f.rank == reported_rank else 1
+        return (category, when, reported, i)
+
+    return [f for _, f in sorted(enumerate(failures), key=key)]
+
+
+def root_cause(failures: Sequence[RankFailure]) -> Optional[RankFailure]:
+    """The first failure that is not a consequence of the job being torn down."""
+    return next((f for f in failures if not f.torn_down), None)
+
+
+def exit_code_for(mpirun_rc: int, failures: Sequence[RankFailure], interrupted: bool,
+                  signum: int = signal.SIGINT) -> int:
+    """dtrun's exit code: 130 on Ctrl-C (128+N for another signal N that stopped dtrun);
+    otherwise the failing rank's own code (the same under every MPI); never 0 for a job
+    killed by a signal."""
+    if interrupted:
+        return ExitCode.INTERRUPTED if signum == signal.SIGINT else signal_exit_code(signum)
+    cause = root_cause(failures)
+    if cause is not None:
+        return cause.exit_code(mpirun_rc)
+    if mpirun_rc < 0:
+        return signal_exit_code(-mpirun_rc)
+    if mpirun_rc == 0:
+        for f in failures:
+            return f.exit_code()
+    return mpirun_rc

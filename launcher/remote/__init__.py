@@ -1,0 +1,55 @@
+"""Everything dtrun runs on another host: standard library only, so it works where the job's
+environment is broken or absent.
+
+What runs where:
+
+* ``rankexec`` — the wrapper every rank runs under (mpirun/srun start
+  ``python3 -S <repo>/launcher/remote/rankexec.py -- PROGRAM``): rank variables, markers, logs.
+* ``agent`` — the host agent, started over ssh (or locally) as
+  ``python3 -S <repo>/launcher/remote/agent.py dump|watch|sample|kill|tidy JOB_DIR``:
+  stacks, progress watch, waiting samples (``waitsampler``), and killing a job's ranks.
+* ``rankstate`` — the per-rank state files and faulthandler set-up the wrapper leaves for the agent.
+* ``procfs`` — reading /proc: a process's start time, state, parent, and whether it is this job's.
+* ``sessiondirs`` — Open MPI 5 session directories that killed jobs leave, and their removal.
+* ``probe`` — the doctor's and preflight's probe; shipped to a host as one program
+  (``bundle``), so it runs there even where no copy of dtrun is installed.
+* ``wire`` — the rank wrapper's marker format and the flight recorder's file format, imported
+  by the code that writes them and the code that reads them.
+
+Every module imports its siblings as ``from launcher.remote import x``. A module started as a
+script puts the repository on ``sys.path[0]`` first (three lines at its top); this file and
+``launcher/__init__.py`` import nothing, so that pulls in nothing else.
+"""
+import os
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Turns a dict of module sources into modules of this package, then runs the main program.
+_LOADER = '''\
+import sys, types
+for _p in ("launcher", "launcher.remote"):
+    sys.modules.setdefault(_p, types.ModuleType(_p)).__path__ = []
+for _n, _s in _MODULES:
+    _m = types.ModuleType("launcher.remote." + _n)
+    _m.__package__ = "launcher.remote"
+    sys.modules[_m.__name__] = _m
+    setattr(sys.modules["launcher.remote"], _n, _m)
+    exec(compile(_s, "launcher/remote/%s.py" % _n, "exec"), _m.__dict__)
+del _p, _n, _s, _m
+exec(compile(_MAIN, "launcher/remote/%s.py" % _MAIN_NAME, "exec"))
+'''
+
+
+def source(name):
+    """The source text of this package's module ``name``."""
+    with open(os.path.join(_HERE, name + ".py"), encoding="utf-8") as f:
+        return f.read()
+
+
+def bundle(main, modules=()):
+    """One self-contained program (bytes) that runs module ``main`` as ``__main__`` after loading
+    ``modules`` (dependencies first) as ``launcher.remote.<name>``: for ``python3 -c`` on a host
+    that has no copy of this package."""
+    head = "_MODULES = %r\n_MAIN_NAME = %r\n_MAIN = %r\n" % (
+        tuple((m, source(m)) for m in modules), main, source(main))
+    return (head + _LOADER).encode("utf-8")

@@ -1,0 +1,265 @@
+"""The far side of `dtrun stacks` and `--hang-timeout`: runs on one host, standard library only.
+
+``python3 -S agent.py dump JOB_DIR [TIMEOUT [faulthandler]]`` prints one JSON object describing every
+rank of the job on this host (the ``rank.N.json`` files the rank wrapper wrote whose host
+is this one): pid, process state and wchan from /proc, every thread's Python stack, the
+flight recorder of the collectives runtime, and for non-Python ranks a native stack.
+
+Stacks come from, in order: ``py-spy dump`` when it is installed (reads the process from
+outside, no cooperation needed); the faulthandler the rank wrapper armed (a C-level signal
+handler, so it answers even inside a blocking MPI call); ``gdb`` for ranks that are not
+Python. Every step has a timeout; the ranks are asked in parallel.
+
+``python3 -S agent.py watch JOB_DIR INTERVAL`` prints one JSON line per interval with
+each local rank's progress (recorder sequence, log size), until its output is closed.
+
+``python3 -S agent.py sample JOB_DIR WINDOW [RATE [VIA]]`` prints one JSON line per window
+with how each local rank spends its time (launcher/remote/waitsampler.py): the straggler finding
+and `dtrun top` read it.
+
+``python3 -S agent.py kill JOB_DIR`` sends SIGKILL to every rank of the job on this host, and
+to the MPI daemons that started them if they are still alive (rankstate.record_daemon), then
+removes the session directories those daemons leave (launcher/remote/sessiondirs.py), and what the
+ranks left in the job directory (``tidy``).
+
+``python3 -S agent.py tidy JOB_DIR`` removes what the job's ended ranks left in the job
+directory on this host (rankstate.tidy): after a failed job, on a host that does not share it.
+
+The job directory is written by the ranks' own programs too, so a pid found there is only
+examined or signalled once rankstate.job_process proved it is this job's process; and a
+dump request goes only to a rank that handles the signal at that moment (``signal_caught``).
+"""
+import sys
+
+if __name__ == "__main__" and "launcher.remote" not in sys.modules:  # started as a script
+    import os
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+from launcher.remote import procfs, rankstate, wire
+from launcher.remote.procfs import proc_info
+from launcher.remote.pystacks import faulthandler_stacks, gdb_stacks, pyspy_stacks, source_line
+
+REC_SHOWN = 8  # newest recorder entries put in a report
+
+
+def read_recorder(job_dir, rank):
+    """The pid and newest entries (``REC_SHOWN``) of a rank's recorder, or None."""
+    words = rankstate.recorder_words(job_dir, rank)
+    rec = None if words is None else wire.rec_decode(words)
+    return None if rec is None else {"pid": rec["pid"], "entries": rec["entries"][-REC_SHOWN:]}
+
+
+def recorder_seq(job_dir, rank):
+    """The newest sequence number in a rank's recorder, reading only the ring (cheap)."""
+    words = rankstate.recorder_words(job_dir, rank)
+    return None if words is None else wire.rec_newest_seq(words)
+
+
+def describe_rank(job_dir, st, timeout, via="auto"):
+    pid = st.get("pid")
+    out = {"rank": st["rank"], "host": st["host"], "pid": pid, "argv": st.get("argv", [])}
+    refusal = rankstate.job_process(job_dir, pid, st.get("start"))
+    if refusal is not None:
+        # Not this job's process (or no longer): not read, not attached to, not signalled.
+        out["alive"] = False
+        out["error"] = "process has exited" if refusal.exited else f"not examined: {refusal.why}"
+        return out
+    out.update(proc_info(pid))
+    if not out["alive"]:
+        out["error"] = "process has exited"
+        return out
+    python = "python" in out.get("exe", "") or os.path.exists(os.path.join(job_dir, f"rank.{st['rank']}.stack.armed"))
+    errors = []
+    threads = None
+    if python:
+        threads, err = (None, "py-spy not asked") if via == "faulthandler" else pyspy_stacks(pid, timeout)
+        out["source"] = "py-spy"
+        if threads is None:
+            errors.append(err)
+            threads, err = faulthandler_stacks(job_dir, st["rank"], pid, timeout)
+            out["source"] = "faulthandler"
+            if threads is None:
+                errors.append(err)
+    else:
+        threads, err = gdb_stacks(pid, timeout)
+        out["source"] = "gdb"
+        if threads is None:
+            errors.append(err)
+    if threads is None:
+        out["source"] = None
+        # The last answer is the one that decided (py-spy's failure led to faulthandler).
+        out["error"] = "; ".join(e for e in reversed(errors) if e)
+    else:
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            cwd = None
+        for t in threads:
+            for fr in t["frames"]:
+                f = fr.get("file", "")
+                if cwd and f and not f.startswith(("/", "<")) and os.path.exists(os.path.join(cwd, f)):
+                    fr["file"] = os.path.join(cwd, f)  # py-spy, faulthandler and gdb print paths as given
+            for fr in t["frames"][:12]:
+                if fr.get("line") and fr.get("file", "").startswith("/"):
+                    fr["code"] = source_line(fr["file"], fr["line"])
+        out["threads"] = threads
+    rec = read_recorder(job_dir, st["rank"])
+    if rec is not None and rec["pid"] == pid:
+        out["recorder"] = rec["entries"]
+    return out
+
+
+def dump(job_dir, timeout, via="auto"):
+    ranks = rankstate.host_ranks(job_dir)
+    results = [None] * len(ranks)
+
+    def work(i, st):
+        try:
+            results[i] = describe_rank(job_dir, st, timeout, via)
+        except Exception as exc:  # one rank's failure must not hide the others
+            results[i] = {"rank": st.get("rank"), "host": st.get("host"), "pid": st.get("pid"),
+                          "error": f"{type(exc).__name__}: {exc}"}
+
+    threads = [threading.Thread(target=work, args=(i, st), daemon=True) for i, st in enumerate(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout * 3 + 5)
+    return {"host": socket.gethostname(), "ranks": [r for r in results if r is not None]}
+
+
+def watch(job_dir, interval):
+    while True:
+        state = {}
+        for st in rankstate.host_ranks(job_dir):
+            log = st.get("log")
+            try:
+                size = os.path.getsize(log) if log else None
+            except OSError:
+                size = None
+            state[str(st["rank"])] = [recorder_seq(job_dir, st["rank"]), size]
+        try:
+            sys.stdout.write(json.dumps({"host": socket.gethostname(), "ranks": state}) + "\n")
+            sys.stdout.flush()
+        except (BrokenPipeError, OSError):
+            return 0
+        time.sleep(interval)
+
+
+def _proven_ranks(job_dir):
+    """(pids of this host's rank programs and wrappers proven to be this job's, refusals)."""
+    ranks, refused = [], []
+    for st in rankstate.host_ranks(job_dir):
+        for pid_key, start_key in (("pid", "start"), ("wrapper_pid", "wrapper_start")):
+            if st.get(pid_key) is None:
+                continue
+            refusal = rankstate.job_process(job_dir, st.get(pid_key), st.get(start_key))
+            if refusal is None:
+                ranks.append(st[pid_key])
+            elif not refusal.exited:
+                refused.append(f"rank {st['rank']}: {refusal.why}")
+    return ranks, refused
+
+
+def _proven_daemons(job_dir, ranks, nspace, host):
+    """(pids of this host's MPI daemons proven to be this job's, refusals); their files are removed."""
+    parents = {procfs.proc_parent(p) for p in ranks}
+    found, refused = [], []
+    try:
+        names = [n for n in os.listdir(job_dir) if n.startswith("daemon.") and n.endswith(".json")]
+    except OSError:
+        names = []
+    for name in names:
+        path = os.path.join(job_dir, name)
+        d = rankstate.read_json(path)
+        if d is not None and d.get("host") != host:
+            continue  # another host's daemon (a job directory on a shared file system)
+        pid = procfs.valid_pid((d or {}).get("pid"))
+        if pid is not None and (procfs.proc_start(pid) == (d.get("name"), d.get("start"))
+                                and (pid in parents or rankstate.in_job(job_dir, pid, depth=1)
+                                     or rankstate.started_by(pid, nspace))):
+            found.append(pid)
+        elif pid is not None and procfs.proc_start(pid) is not None:
+            refused.append(f"daemon {pid}: not proven to be this job's")
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return found, refused
+
+
+def kill(job_dir, nspace=""):
+    """SIGKILL this host's ranks of the job, then the MPI daemons that started them and are
+    still the same processes (an MPI daemon can outlive an mpirun that was killed).
+
+    Only proven processes (rankstate.job_process): a rank's program can write any pid into
+    its state file (-1 would be every process, another's pid an innocent process). A daemon
+    has no job variable in its environment: it is proven as the parent of a proven rank
+    wrapper (looked at before any rank is killed), by the job's variable where it has it, or
+    (Open MPI 5) by ``nspace``, the job's PMIx namespace that dtrun passes on the command line:
+    a daemon whose ranks have already ended has no rank left to prove it.
+    Everything is proven first, then killed; pids are not re-read in between.
+    """
+    host = socket.gethostname()
+    ranks, refused = _proven_ranks(job_dir)
+    found, refused_daemons = _proven_daemons(job_dir, ranks, nspace, host)
+    killed, daemons = [], []
+    for pid in dict.fromkeys(ranks + found):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            if pid in found:
+                daemons.append(pid)
+        except OSError:
+            pass
+    swept = _sweep_after(daemons)
+    deadline = time.monotonic() + 0.5  # a SIGKILLed rank is a zombie at once, or soon
+    starts = {p: (procfs.proc_start(p) or (None, None))[1] for p in killed}
+    while time.monotonic() < deadline and not all(procfs.gone(p, s) for p, s in starts.items()):
+        time.sleep(0.02)
+    return {"host": host, "killed": killed, "refused": refused + refused_daemons, "swept": swept,
+            "tidied": rankstate.tidy(job_dir)}
+
+
+def _sweep_after(daemons, wait_s=0.5):
+    """Remove the session directories that the killed MPI daemons left (launcher/remote/sessiondirs.py),
+    once they are gone (a killed process counts as alive until its parent reaps it)."""
+    from launcher.remote import sessiondirs
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(sessiondirs.alive(p) for p in daemons):
+        time.sleep(0.02)
+    return len(sessiondirs.sweep())
+
+
+def main(argv):
+    if len(argv) < 2 or argv[0] not in ("dump", "watch", "kill", "tidy", "sample"):
+        sys.stderr.write("usage: agent.py dump|watch|kill|tidy|sample JOB_DIR [SECONDS]\n")
+        return 2
+    mode, job_dir = argv[0], argv[1]
+    seconds = float(argv[2]) if len(argv) > 2 else (2.0 if mode == "dump" else 1.0)
+    if mode == "sample":
+        from launcher.remote import waitsampler
+        rate = float(argv[3]) if len(argv) > 3 else 10.0
+        via = argv[4] if len(argv) > 4 else "auto"  # "faulthandler" (no py-spy), "proc" (no stacks)
+        return waitsampler.run(job_dir, seconds, rate, via, once="once" in argv[5:])
+    if mode == "watch":
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        return watch(job_dir, seconds)
+    via = argv[3] if len(argv) > 3 else "auto"  # "faulthandler": do not use py-spy
+    if mode == "tidy":
+        result = {"host": socket.gethostname(), "tidied": rankstate.tidy(job_dir)}
+    else:
+        result = dump(job_dir, seconds, via) if mode == "dump" else kill(job_dir, argv[3] if len(argv) > 3 else "")
+    sys.stdout.write(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
