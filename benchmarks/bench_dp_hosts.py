@@ -1,0 +1,211 @@
+"""Data-parallel training across hosts, behind a shaped link: each figure next to the
+link's bound.
+
+Needs root: ``tests.nscluster`` builds namespace hosts on this machine, and every host's
+``eth0`` is shaped with ``tc qdisc replace dev eth0 root tbf rate 2gbit burst 256kbit
+latency 50ms`` (what leaves each host goes at 2 Gbit/s). Without root it prints why and
+exits 0. The model is bench_ddp.py's MLP (3.4 M parameters, 13.7 MB of float32
+gradients), batch 32 per rank, one compute thread per rank. Layouts:
+
+* 2 hosts x 1 rank, 3 hosts x 1 rank, 2 hosts x 2 ranks (shared memory inside a host,
+  the link between them);
+* in each job the variants take turns, round after round (benchmarks/_timing.py), and
+  the median step counts: ``ddp`` (torch DDP, gloo), ``dp`` (collectives.dp
+  DistributedOptimizer), ``dp-after`` (the same, every bucket after backward), ``fp16``
+  (dp with Compression.fp16), ``hvd`` (collectives.horovod.torch's DistributedOptimizer);
+* in the same job, a bare allreduce of the whole gradient (13.7 MB, float32): raw MPI
+  in place, and the runtime's in place, to show what the link itself gives.
+
+The bound of one step's gradient exchange is the bytes each host must send over its link:
+a ring over n hosts sends 2(n-1)/n of the gradient; with fp16 half of that. Writes
+bench-results/dp_hosts.md and .json.
+
+    python benchmarks/bench_dp_hosts.py [--rounds N] [--steps N] [--layouts 2x1,3x1,2x2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(REPO))
+from _timing import add_timing_args, timed_rounds, timing_argv  # noqa: E402
+
+RATE_BPS = 2e9
+SHAPE = ["tbf", "rate", "2gbit", "burst", "256kbit", "latency", "50ms"]
+LAYOUTS = {"2x1": (2, 1), "3x1": (3, 1), "2x2": (2, 2)}
+MODES = ("ddp", "dp", "dp-after", "fp16", "hvd")
+OUT_DIR = REPO / "bench-results"
+BIN = Path(sys.executable).parent
+
+
+def bound_s(nbytes: int, hosts: int, fp16: bool = False) -> float:
+    """Seconds the link needs for one step's gradient: a ring over ``hosts`` hosts sends
+    2(n-1)/n of it from each host (shared memory inside a host costs the link nothing)."""
+    sent = 2 * (hosts - 1) / hosts * nbytes * (0.5 if fp16 else 1.0)
+    return sent * 8 / RATE_BPS
+
+
+# ----------------------------------------------------------------------------- in the job
+def _runners(rank: int):
+    import torch
+
+    import collectives.dp as dp
+    import collectives.horovod.torch as hvd
+    from bench_ddp import batch, fresh_model, make_step
+
+    x, y = batch(rank)
+    runners = {}
+    for mode in MODES:
+        model, opt = fresh_model()
+        if mode == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        elif mode == "hvd":
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        else:
+            comp = dp.Compression.fp16 if mode == "fp16" else dp.Compression.none
+            opt = dp.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                          overlap=mode != "dp-after", compression=comp)
+        runners[mode] = make_step(model, opt, x, y)
+    return runners
+
+
+def _bare_allreduce(nbytes: int, args) -> dict:
+    """Median seconds of a whole-gradient allreduce, raw MPI and ours, in place."""
+    import numpy as np
+    from mpi4py import MPI
+
+    import collectives.dp as dp
+
+    comm = dp.init().comm
+    buf = np.ones(nbytes // 4, np.float32)
+    calls = {"raw MPI allreduce": lambda: comm.mpi.Allreduce(MPI.IN_PLACE, buf),
+             "runtime allreduce": lambda: comm.allreduce(buf, inplace=True)}
+    rounds = timed_rounds(calls, args, lambda v: dp.allreduce_metric(v, op="max"))
+    return {k: statistics.median(v) for k, v in rounds.items()}
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    import collectives.dp as dp
+    import collectives.horovod.torch as hvd
+
+    torch.set_num_threads(1)
+    ctx = dp.init()
+    hvd.init()
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
+    runners = _runners(ctx.rank)
+    rounds = timed_rounds(runners, args, lambda v: dp.allreduce_metric(v, op="max"))
+    from bench_ddp import build_model
+
+    nbytes = 4 * sum(p.numel() for p in build_model().parameters())
+    bare = _bare_allreduce(nbytes, args)
+    if ctx.rank == 0:
+        print("BENCH " + json.dumps({"size": ctx.size, "grad_bytes": nbytes,
+                                      "median_s": {m: statistics.median(v) for m, v in rounds.items()},
+                                      "rounds": rounds, "bare_s": bare}), flush=True)
+    import gc
+
+    runners.clear()
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
+
+
+# ----------------------------------------------------------------------------- the driver
+def run_layout(cluster, hosts: int, per_host: int, args) -> dict:
+    spec = ",".join(f"{h.name}:{per_host}" for h in cluster.hosts[:hosts])
+    cmd = [str(BIN / "dtrun"), "--no-tag-output", "--ssh-config", str(cluster.ssh_config), "-H", spec,
+           sys.executable, str(Path(__file__).resolve()), "--worker", *timing_argv(args)]
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=REPO, env=env,
+                          stdin=subprocess.DEVNULL)
+    line = next((ln for ln in proc.stdout.splitlines() if "BENCH {" in ln), None)
+    if proc.returncode != 0 or line is None:
+        sys.exit(f"bench_dp_hosts: {' '.join(cmd)} failed ({proc.returncode}):\n"
+                 f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    doc = json.loads(line[line.index("{"):])
+    doc["wall_s"] = round(time.monotonic() - t0, 1)
+    return doc
+
+
+def report(results: dict) -> list[str]:
+    ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
+    lines = ["# Data-parallel training across shaped hosts", "",
+             "Each host's eth0: `tc qdisc replace dev eth0 root " + " ".join(SHAPE) + "`. MLP "
+             "256-1024x4-10, batch 32 per rank, SGD with momentum, 1 thread per rank; median "
+             "step over alternating rounds in one job. Bound: the bytes each host sends per "
+             "step (ring: 2(n-1)/n of the gradient; fp16: half) at 2 Gbit/s.", ""]
+    for name, doc in results.items():
+        hosts = LAYOUTS[name][0]
+        med, nbytes = doc["median_s"], doc["grad_bytes"]
+        b, bh = bound_s(nbytes, hosts), bound_s(nbytes, hosts, fp16=True)
+        lines += [f"## {hosts} hosts x {LAYOUTS[name][1]} rank(s): link bound {ms(b)} ms "
+                  f"({ms(bh)} ms with fp16)", "", "| variant | step (ms) | / bound | DDP / it |",
+                  "|---|---:|---:|---:|"]
+        for m in MODES:
+            lines.append(f"| {m} | {ms(med[m])} | {med[m] / (bh if m == 'fp16' else b):.2f} | "
+                         f"{med['ddp'] / med[m]:.2f} |")
+        for k, v in doc["bare_s"].items():
+            lines.append(f"| {k} ({nbytes / 1e6:.1f} MB, in place) | {ms(v)} | {v / b:.2f} | |")
+        lines.append("")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--layouts", default="2x1,3x1,2x2")
+    add_timing_args(ap, rounds=6)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    if os.geteuid() != 0:
+        print("bench_dp_hosts: needs root (namespace hosts and tc); skipped")
+        return 0
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("bench_dp_hosts: PyTorch is not installed; skipped")
+        return 0
+    from tests.nscluster import Cluster, ClusterUnavailable
+
+    layouts = [x for x in args.layouts.split(",") if x]
+    bad = [x for x in layouts if x not in LAYOUTS]
+    if bad:
+        sys.exit(f"bench_dp_hosts: --layouts {','.join(bad)}: choose from {','.join(LAYOUTS)}")
+    results = {}
+    try:
+        with Cluster(max(LAYOUTS[x][0] for x in layouts)) as cluster:
+            for h in cluster.hosts:
+                cluster.exec(h, ["tc", "qdisc", "replace", "dev", "eth0", "root", *SHAPE], check=True)
+            for name in layouts:
+                results[name] = run_layout(cluster, *LAYOUTS[name], args)
+                print(f"{name}: {results[name]['wall_s']} s", flush=True)
+    except ClusterUnavailable as e:
+        print(f"bench_dp_hosts: no namespace cluster here ({e}); skipped")
+        return 0
+    lines = report(results)
+    OUT_DIR.mkdir(exist_ok=True)
+    (OUT_DIR / "dp_hosts.md").write_text("\n".join(lines) + "\n")
+    (OUT_DIR / "dp_hosts.json").write_text(json.dumps(results, indent=1))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
