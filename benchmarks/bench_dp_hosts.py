@@ -63,20 +63,21 @@ def _runners(rank: int):
     import collectives.horovod.torch as hvd
     from bench_ddp import batch, fresh_model, make_step
 
+    def distributed(make):  # the optimizer wrapped by ``make(opt, named_parameters)``
+        def build(model, opt):
+            return model, make(opt, model.named_parameters())
+        return build
+
+    wrap = {
+        "ddp": lambda model, opt: (torch.nn.parallel.DistributedDataParallel(model), opt),
+        "dp": distributed(lambda o, n: dp.DistributedOptimizer(o, named_parameters=n)),
+        "dp-after": distributed(lambda o, n: dp.DistributedOptimizer(o, named_parameters=n, overlap=False)),
+        "fp16": distributed(lambda o, n: dp.DistributedOptimizer(o, named_parameters=n,
+                                                                 compression=dp.Compression.fp16)),
+        "hvd": distributed(lambda o, n: hvd.DistributedOptimizer(o, named_parameters=n)),
+    }
     x, y = batch(rank)
-    runners = {}
-    for mode in MODES:
-        model, opt = fresh_model()
-        if mode == "ddp":
-            model = torch.nn.parallel.DistributedDataParallel(model)
-        elif mode == "hvd":
-            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-        else:
-            comp = dp.Compression.fp16 if mode == "fp16" else dp.Compression.none
-            opt = dp.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                          overlap=mode != "dp-after", compression=comp)
-        runners[mode] = make_step(model, opt, x, y)
-    return runners
+    return {mode: make_step(*wrap[mode](*fresh_model()), x, y) for mode in MODES}
 
 
 def _bare_allreduce(nbytes: int, args) -> dict:
