@@ -150,10 +150,11 @@ class Comm:
         under dtrun: ``_rec`` its ring, ``_hdr`` its header (word INSIDE_WORD is 1 while
         inside a blocking collective), ``_rec_store`` the store to call."""
         self._rec = self._rec_map = self._hdr = self._rec_store = self._py_rec_store = None
+        self._recorder: _rec.Recorder | None = None
         rec = _rec.OWNER.claim(self.rank) if world else None
         if rec is not None:
             self._rec_map, self._rec, self._hdr = rec.map, rec.ring, rec.header
-            self._py_rec_store = rec.store
+            self._recorder, self._py_rec_store = rec, rec.store
             self._rec_store = _transport.attach_recorder(self._engine, rec)
 
     @property

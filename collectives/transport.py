@@ -202,8 +202,7 @@ def via(c: Any, path: str, chunk: int, src: np.ndarray, dst: np.ndarray, inplace
 def restart_recorder(c) -> None:
     """Empty the flight recorder after calibration: the program's first collective is #1
     in every report, whatever the calibration recorded."""
-    store = c._py_rec_store
-    if store is None:
+    if c._recorder is None:
         return
     engine = c._engine if (c._engine is not None and c._rec_store == c._engine.note) else None
-    store.__self__.restart(engine)
+    c._recorder.restart(engine)
