@@ -11,10 +11,15 @@ gradients), batch 32 per rank, one compute thread per rank. Layouts:
   the link between them);
 * in each job the variants take turns, round after round (benchmarks/_timing.py), and
   the median step counts: ``ddp`` (torch DDP, gloo), ``dp`` (collectives.dp
-  DistributedOptimizer), ``dp-after`` (the same, every bucket after backward), ``fp16``
-  (dp with Compression.fp16), ``hvd`` (collectives.horovod.torch's DistributedOptimizer);
-* in the same job, a bare allreduce of the whole gradient (13.7 MB, float32): raw MPI
-  in place, and the runtime's in place, to show what the link itself gives.
+  DistributedOptimizer: the TCP ring between hosts), ``dp-after`` (the same, every bucket
+  after backward), ``dp-mpi`` (the same through the runtime's allreduce,
+  ``DTRUN_DP_TRANSPORT=mpi``), ``fp16`` (dp with Compression.fp16), ``hvd``
+  (collectives.horovod.torch's DistributedOptimizer);
+* in the same job, bare transfers of the whole gradient (13.7 MB, float32), to show
+  what the link itself gives: raw MPI's allreduce and the runtime's, in place, over all
+  ranks; and over one rank per host, the ring's allreduce, and the exchange the bound
+  counts with no arithmetic at all (each host sends 2(n-1)/n of the gradient to the next
+  host with MPI_Sendrecv while it receives as much from the previous one).
 
 The bound of one step's gradient exchange is the bytes each host must send over its link:
 a ring over n hosts sends 2(n-1)/n of the gradient; with fp16 half of that. Writes
@@ -43,7 +48,7 @@ from _timing import add_timing_args, timed_rounds, timing_argv  # noqa: E402
 RATE_BPS = 2e9
 SHAPE = ["tbf", "rate", "2gbit", "burst", "256kbit", "latency", "50ms"]
 LAYOUTS = {"2x1": (2, 1), "3x1": (3, 1), "2x2": (2, 2)}
-MODES = ("ddp", "dp", "dp-after", "fp16", "hvd")
+MODES = ("ddp", "dp", "dp-after", "dp-mpi", "fp16", "hvd")
 OUT_DIR = REPO / "bench-results"
 BIN = Path(sys.executable).parent
 
@@ -68,10 +73,18 @@ def _runners(rank: int):
             return model, make(opt, model.named_parameters())
         return build
 
+    def through_mpi(o, n):
+        os.environ["DTRUN_DP_TRANSPORT"] = "mpi"  # read when the optimizer is made
+        try:
+            return dp.DistributedOptimizer(o, named_parameters=n)
+        finally:
+            del os.environ["DTRUN_DP_TRANSPORT"]
+
     wrap = {
         "ddp": lambda model, opt: (torch.nn.parallel.DistributedDataParallel(model), opt),
         "dp": distributed(lambda o, n: dp.DistributedOptimizer(o, named_parameters=n)),
         "dp-after": distributed(lambda o, n: dp.DistributedOptimizer(o, named_parameters=n, overlap=False)),
+        "dp-mpi": distributed(through_mpi),
         "fp16": distributed(lambda o, n: dp.DistributedOptimizer(o, named_parameters=n,
                                                                  compression=dp.Compression.fp16)),
         "hvd": distributed(lambda o, n: hvd.DistributedOptimizer(o, named_parameters=n)),
@@ -80,17 +93,35 @@ def _runners(rank: int):
     return {mode: make_step(*wrap[mode](*fresh_model()), x, y) for mode in MODES}
 
 
+LEADER_RING = "ring allreduce, one rank per host"
+LEADER_EXCHANGE = "bare exchange of the bound's bytes (MPI_Sendrecv), one rank per host"
+
+
 def _bare_allreduce(nbytes: int, args) -> dict:
-    """Median seconds of a whole-gradient allreduce, raw MPI and ours, in place."""
+    """Median seconds of bare whole-gradient transfers (see the module's docstring)."""
     import numpy as np
     from mpi4py import MPI
 
     import collectives.dp as dp
 
+    from collectives.streamring import StreamRing
+
     comm = dp.init().comm
     buf = np.ones(nbytes // 4, np.float32)
     calls = {"raw MPI allreduce": lambda: comm.mpi.Allreduce(MPI.IN_PLACE, buf),
              "runtime allreduce": lambda: comm.allreduce(buf, inplace=True)}
+    leaders = comm.mpi.Split(0 if comm.local_rank == 0 else MPI.UNDEFINED, comm.rank)
+    idle = lambda: None  # noqa: E731 - the other ranks of a host wait for the leader
+    if leaders == MPI.COMM_NULL:
+        calls.update({LEADER_RING: idle, LEADER_EXCHANGE: idle})
+    else:
+        ring = StreamRing(leaders.Dup())
+        n, r = leaders.Get_size(), leaders.Get_rank()
+        part = buf[: buf.size * 2 * (n - 1) // n] if n > 1 else buf[:0]
+        recv = np.empty_like(part)
+        calls[LEADER_RING] = lambda: ring.wait(ring.submit(buf))
+        calls[LEADER_EXCHANGE] = lambda: leaders.Sendrecv(part, dest=(r + 1) % n, recvbuf=recv,
+                                                          source=(r - 1) % n)
     rounds = timed_rounds(calls, args, lambda v: dp.allreduce_metric(v, op="max"))
     return {k: statistics.median(v) for k, v in rounds.items()}
 
@@ -161,7 +192,7 @@ def report(results: dict) -> list[str]:
             lines.append(f"| {m} | {ms(med[m])} | {med[m] / (bh if m == 'fp16' else b):.2f} | "
                          f"{med['ddp'] / med[m]:.2f} |")
         for k, v in doc["bare_s"].items():
-            lines.append(f"| {k} ({nbytes / 1e6:.1f} MB, in place) | {ms(v)} | {v / b:.2f} | |")
+            lines.append(f"| {k} ({nbytes / 1e6:.1f} MB) | {ms(v)} | {v / b:.2f} | |")
         lines.append("")
     return lines
 

@@ -406,6 +406,7 @@ class _Bucket:
         self.done = threading.Event()
         self.event = None  # CUDA: marks the copies into ``flat`` on the producer's stream
         self.error: BaseException | None = None  # raised by the worker, re-raised at synchronize
+        self.job = None  # across hosts: the ring's handle (dp_exchange)
 
     def reset(self) -> None:
         self.pending = len(self.slots)
@@ -449,6 +450,41 @@ def _worker() -> _Worker:
     if _WORKER is None:
         _WORKER = _Worker()
     return _WORKER
+
+
+_EXCHANGES: dict[int, Any] = {}
+
+
+def _exchange(ctx: Context, buckets: list[_Bucket]):
+    """The job's HostExchange when buckets should cross hosts on the ring (collective;
+    one per communicator, shared by every DistributedOptimizer), else None."""
+    from . import dp_exchange
+
+    cpu = all(b.flat.device.type == "cpu" for b in buckets)
+    try:
+        if not dp_exchange.wanted(ctx.comm, cpu):
+            return None
+    except ValueError as e:
+        raise _usage(ctx, str(e)) from None
+    key = id(ctx.comm)
+    if key not in _EXCHANGES:
+        _EXCHANGES[key] = dp_exchange.open_exchange(ctx.comm, _torch_add, _torch_scale,
+                                                     _torch_copy)
+    return _EXCHANGES[key]
+
+
+def _torch_add(dst: np.ndarray, src: np.ndarray) -> None:
+    # torch's CPU kernels: vectorised for float16 too (NumPy's float16 add is ~25x slower),
+    # and they release the GIL, so backward runs on while a chunk is summed.
+    torch.from_numpy(dst).add_(torch.from_numpy(src))
+
+
+def _torch_scale(x: np.ndarray, factor: float) -> None:
+    torch.from_numpy(x).mul_(factor)
+
+
+def _torch_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    torch.from_numpy(dst).copy_(torch.from_numpy(src))  # with a dtype conversion
 
 
 def _usage(ctx: Context, problem: str) -> UsageError:
@@ -507,6 +543,8 @@ class _DistributedOptimizer:
         threads_ok = MPI.Query_thread() >= MPI.THREAD_SERIALIZED
         self._dp_overlap = bool(overlap) and threads_ok and ctx.size > 1
         self._dp_worker = _worker() if self._dp_overlap else None
+        self._dp_hosts = _exchange(ctx, self._dp_buckets) if ctx.size > 1 else None
+        self.transport = "ring" if self._dp_hosts is not None else "runtime"
         self._dp_hooks = [self._dp_register(s) for s in self._dp_slots] if ctx.size > 1 else []
 
     def _dp_make_buckets(self, cap: int) -> list[_Bucket]:
@@ -586,11 +624,16 @@ class _DistributedOptimizer:
             self._dp_next += 1
             if self._dp_worker is None:
                 continue  # no overlap: reduced in synchronize()
+            if self._dp_hosts is not None and not self._dp_hosts.local:
+                self._dp_in_flight.append(b)
+                self._dp_start(b)  # cheap: queued for the ring's threads
+                b.done.set()
+                continue
             if b.flat.is_cuda:
                 b.event = torch.cuda.Event()
                 b.event.record()
             self._dp_in_flight.append(b)
-            self._dp_worker.submit(self._dp_reduce, b)
+            self._dp_worker.submit(self._dp_start if self._dp_hosts else self._dp_reduce, b)
 
     # -- the allreduce of one bucket (background thread, or synchronize())
     def _dp_reduce(self, b: _Bucket) -> None:
@@ -609,6 +652,25 @@ class _DistributedOptimizer:
         comm = self._dp_ctx.comm
         with _LOCK:
             comm.allreduce(b.buffer, op=self._dp_op, inplace=True)
+        self._dp_unpack(b)
+
+    def _dp_start(self, b: _Bucket) -> None:
+        """Across hosts: sum within the host and hand the bucket to the ring."""
+        scale = 1.0 / self._dp_ctx.size if self._dp_op == AVG else None
+        with _LOCK:
+            comm = self._dp_ctx.comm
+            if comm._rec is not None:  # the flight recorder counts it like any allreduce
+                comm._note("allreduce", b.buffer, self._dp_op)
+            b.job = self._dp_hosts.start(b.buffer, scale)
+
+    def _dp_finish(self, buckets: list[_Bucket]) -> None:
+        for b in buckets:
+            with _LOCK:
+                self._dp_hosts.wait(b.job, b.buffer)
+            self._dp_unpack(b)
+
+    def _dp_unpack(self, b: _Bucket) -> None:
+        """Copy a reduced bucket into the parameters' ``.grad``."""
         with torch.no_grad():
             flags = b.flags.tolist()
             for s in b.slots:
@@ -638,24 +700,35 @@ class _DistributedOptimizer:
                     self._dp_fill(s)
             b.pending = 0
         self._dp_launch_ready()
+        try:
+            self._dp_wait_all()
+        finally:
+            self._dp_in_flight.clear()
+            self._dp_reset()
+        self._dp_synchronized = True
+
+    def _dp_wait_all(self) -> None:
         if self._dp_worker is None:
+            if self._dp_hosts is not None:  # all handed to the ring first, then waited on
+                for b in self._dp_buckets:
+                    self._dp_start(b)
+                self._dp_finish(self._dp_buckets)
+                return
             for b in self._dp_buckets:
                 self._dp_reduce(b)
-        else:
-            for b in self._dp_in_flight:
-                b.done.wait()
-            errors = [b.error for b in self._dp_in_flight if b.error is not None]
-            self._dp_in_flight.clear()
-            if errors:
-                self._dp_reset()
-                raise errors[0]
-        self._dp_reset()
-        self._dp_synchronized = True
+            return
+        for b in self._dp_in_flight:
+            b.done.wait()
+        errors = [b.error for b in self._dp_in_flight if b.error is not None]
+        if errors:
+            raise errors[0]
+        if self._dp_hosts is not None:
+            self._dp_finish(self._dp_in_flight)
 
     def _dp_reset(self) -> None:
         for b in self._dp_buckets:
             b.reset()
-            b.event = b.error = None
+            b.event = b.error = b.job = None
         self._dp_next = 0
 
     @contextlib.contextmanager
@@ -699,7 +772,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
 
     The result is an instance of the optimizer's own class (learning-rate schedulers
     accept it) sharing its parameter groups and state, with ``synchronize()``,
-    ``skip_synchronize()`` and ``remove_hooks()`` added. Collective: every rank must
+    ``skip_synchronize()`` and ``remove_hooks()`` added, and ``transport``: ``"ring"``
+    when buckets cross hosts on dtrun's TCP ring (the job spans hosts and the gradients
+    are on the CPU; ``DTRUN_DP_TRANSPORT=mpi`` turns it off), else ``"runtime"`` (the
+    runtime's allreduce: shared memory, MPI, or NCCL on GPUs). Collective: every rank must
     call it with the same parameters (names, shapes, dtypes; checked).
 
     Args:

@@ -22,7 +22,7 @@ import torch
 
 import collectives.dp as dp
 
-STEPS, BATCH = 20, 16
+STEPS, BATCH = 20, 48  # 48: 1, 2, 3 or 4 ranks, each split in 2 micro-batches
 
 
 def mlp() -> torch.nn.Module:
@@ -63,6 +63,9 @@ def reference(model_name, opt_name, device):
     return model
 
 
+TRANSPORTS: set[str] = set()  # how the buckets travelled (DistributedOptimizer.transport)
+
+
 def distributed(model_name, opt_name, accum, device, compression, bucket_bytes):
     build, shape = MODELS[model_name]
     torch.manual_seed(100 + dp.rank())  # different on every rank: broadcast must fix it
@@ -76,6 +79,7 @@ def distributed(model_name, opt_name, accum, device, compression, bucket_bytes):
     opt = dp.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                   backward_passes_per_step=accum, compression=compression,
                                   bucket_bytes=bucket_bytes)
+    TRANSPORTS.add(opt.transport)
     x, y = data(shape, device)
     per_rank = BATCH // dp.size()
     lo = dp.rank() * per_rank
@@ -115,7 +119,8 @@ def main() -> None:
                 results[f"{key}-dist"] = flat(distributed(model_name, opt_name, accum, device,
                                                           args.compression, args.bucket_bytes))
     os.makedirs(args.out, exist_ok=True)
-    np.savez(os.path.join(args.out, f"rank.{ctx.rank}.npz"), size=ctx.size, **results)
+    np.savez(os.path.join(args.out, f"rank.{ctx.rank}.npz"), size=ctx.size,
+             transports=",".join(sorted(TRANSPORTS)), **results)
     print(f"rank {ctx.rank}/{ctx.size} done", flush=True)
 
 

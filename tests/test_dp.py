@@ -145,18 +145,55 @@ def test_fp16_compression_close_to_one_rank(tmp_path):
     _check_equivalent(ranks, rtol=0, atol=2e-2)
 
 
+def _on_hosts(cluster, spec: str, out, *extra, env: tuple[str, ...] = ()) -> list[dict]:
+    p = dtrun("--ssh-config", cluster.ssh_config, "-H", spec, *env, PYTHON,
+              str(REPO / "tests" / "dp_train.py"), str(out), *extra, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    n = sum(int(part.rsplit(":", 1)[1]) for part in spec.split(","))
+    return [dict(np.load(out / f"rank.{r}.npz")) for r in range(n)]
+
+
 @pytest.mark.cluster
 @pytest.mark.mpi
-def test_two_hosts_hierarchical_equal_one_rank(cluster3, tmp_path):
-    # 2 ranks on each of 2 namespace hosts: shared memory within a host, MPI over TCP
-    # between them (the threshold is lowered so every bucket takes that path).
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_two_hosts_hierarchical_equal_one_rank(cluster3, tmp_path, compression):
+    # 2 ranks on each of 2 namespace hosts: shared memory within a host (fp16: summed in
+    # float32 there), the TCP ring between them (tiny buckets: many in flight at once).
     names = [h.name for h in cluster3.hosts[:2]]
-    out = tmp_path / "hosts"
-    p = dtrun("--ssh-config", cluster3.ssh_config, "-H", f"{names[0]}:2,{names[1]}:2",
-              "-x", "DTRUN_SHM_THRESHOLD=1", PYTHON, str(REPO / "tests" / "dp_train.py"), str(out),
-              "--bucket-bytes", "4096", timeout=180)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    _check_equivalent([dict(np.load(out / f"rank.{r}.npz")) for r in range(4)], rtol=1e-5, atol=1e-6)
+    ranks = _on_hosts(cluster3, f"{names[0]}:2,{names[1]}:2", tmp_path / "hosts",
+                      "--bucket-bytes", "4096", "--compression", compression)
+    assert {str(r["transports"]) for r in ranks} == {"ring"}
+    if compression == "fp16":
+        _check_equivalent(ranks, rtol=0, atol=2e-2)
+    else:
+        _check_equivalent(ranks, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cluster
+@pytest.mark.mpi
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_three_hosts_ring_equal_one_rank(cluster3, tmp_path, compression):
+    # 3 hosts x 1 rank: a ring of 3, buckets whose sizes 3 does not divide
+    ranks = _on_hosts(cluster3, ",".join(f"{h.name}:1" for h in cluster3.hosts), tmp_path / "h3",
+                      "--bucket-bytes", "5000", "--compression", compression)
+    assert {str(r["transports"]) for r in ranks} == {"ring"}
+    if compression == "fp16":
+        _check_equivalent(ranks, rtol=0, atol=2e-2)
+    else:
+        _check_equivalent(ranks, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cluster
+@pytest.mark.mpi
+def test_two_hosts_through_mpi_when_asked(cluster3, tmp_path):
+    # DTRUN_DP_TRANSPORT=mpi: the runtime's allreduce (MPI over TCP between the hosts),
+    # with the threshold lowered so every bucket takes the hierarchical path
+    names = [h.name for h in cluster3.hosts[:2]]
+    ranks = _on_hosts(cluster3, f"{names[0]}:2,{names[1]}:1", tmp_path / "mpi",
+                      "--bucket-bytes", "4096",
+                      env=("-x", "DTRUN_DP_TRANSPORT=mpi", "-x", "DTRUN_SHM_THRESHOLD=1"))
+    assert {str(r["transports"]) for r in ranks} == {"runtime"}
+    _check_equivalent(ranks, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- behaviours

@@ -1,0 +1,117 @@
+"""collectives.streamring (the TCP ring that carries data-parallel buckets between hosts):
+exact results on real ranks, mismatches and closed connections as errors on every rank
+(never a wrong sum, never a hang), and who may join the ring. tests/ring_cases.py is the
+rank program; the data-parallel layer over namespace hosts is in tests/test_dp.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+
+import pytest
+
+from collectives import streamring
+from tests.dtrun_helpers import REPO, dtrun
+
+PYTHON = sys.executable
+CASES = str(REPO / "tests" / "ring_cases.py")
+
+
+def _results(n: int, mode: str) -> list[dict]:
+    p = dtrun("-np", n, "-H", f"localhost:{n}", "--oversubscribe", PYTHON, CASES, mode,
+              timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    found = [json.loads(line[line.find("RESULT ") + 7:]) for line in p.stdout.splitlines()
+             if "RESULT {" in line]
+    return sorted(found, key=lambda r: r["rank"])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_size_and_dtype_is_exact_and_identical_on_every_rank(n):
+    res = _results(n, "exact")
+    assert [r["rank"] for r in res] == list(range(n))
+    for r in res:
+        assert r["bad"] == [], r
+        assert r["identical"], r
+    # ``finish`` (an average's division) runs exactly once on every element, somewhere
+    assert sum(r["finished"] for r in res) == res[0]["total"]
+
+
+@pytest.mark.mpi
+def test_a_bucket_that_differs_is_an_error_on_every_rank_naming_both_sizes():
+    res = _results(3, "mismatch")
+    assert [r["rank"] for r in res] == [0, 1, 2]
+    assert all(r["error"] for r in res), res  # nobody returned a sum
+    host = socket.gethostname()
+    # rank 1 (odd size) sees it first from rank 0, rank 2 from rank 1; which of the two gets
+    # there first is a race, and whoever does not closes the ring on the rest
+    expected = {1: f"allreduce on rank 1: bucket #0 differs between ranks: rank 0 on {host} "
+                   "has 100001 float32 elements, rank 1 has 100002 float32 elements; every rank "
+                   "must reduce the same buckets in the same order",
+                2: f"allreduce on rank 2: bucket #0 differs between ranks: rank 1 on {host} "
+                   "has 100002 float32 elements, rank 2 has 100001 float32 elements; every rank "
+                   "must reduce the same buckets in the same order"}
+    named = {r["rank"]: r["error"] for r in res if "differs between ranks" in r["error"]}
+    assert named and all(expected[k] == v for k, v in named.items()), res
+
+
+@pytest.mark.mpi
+def test_a_rank_that_leaves_fails_the_others_instead_of_hanging():
+    res = _results(3, "peer-closes")
+    host = socket.gethostname()
+    assert res[1]["error"] is None
+    assert res[2]["error"] == (f"allreduce on rank 2: rank 1 on {host} closed the ring's "
+                               "connection (it ended or failed)")
+    assert res[0]["error"].startswith("allreduce on rank 0: ")
+    assert "rank 1" in res[0]["error"] or "rank 2" in res[0]["error"]
+
+
+def test_the_listener_admits_only_the_token_and_rank_it_expects():
+    token = b"k" * 16
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+    box: dict = {}
+    t = threading.Thread(target=streamring._accept, args=(listener, token, 3, box))
+    t.start()
+    strangers = []
+    for hello in (b"GET / HTTP/1.0\r\n\r\n", streamring._HELLO.pack(b"x" * 16, 3),
+                  streamring._HELLO.pack(token, 2)):  # no token, wrong token, wrong rank
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(hello)
+        strangers.append(s)
+    good = socket.create_connection(("127.0.0.1", port))
+    good.sendall(streamring._HELLO.pack(token, 3))
+    t.join(15)
+    assert "sock" in box, box
+    accepted = box["sock"]
+    good.sendall(b"ping")
+    assert accepted.recv(4) == b"ping"  # the one admitted is the one with the token
+    for s in strangers:  # the others were closed
+        s.settimeout(5)
+        assert s.recv(1) == b""
+    for s in (*strangers, good, accepted, listener):
+        s.close()
+
+
+def test_peer_addresses_on_a_shared_subnet_come_first():
+    import ipaddress
+
+    mine = [ipaddress.IPv4Interface("10.95.0.11/24")]
+    assert streamring._order_for(["172.17.0.1", "10.95.0.12", "192.168.1.5"], mine) == \
+        ["10.95.0.12", "172.17.0.1", "192.168.1.5"]
+
+
+def test_btl_tcp_if_include_restricts_the_interfaces_by_name_or_cidr():
+    import ipaddress
+
+    iface = ipaddress.IPv4Interface("10.95.0.11/24")
+    assert streamring._matches("eth0", "eth0", iface)
+    assert not streamring._matches("eth1", "eth0", iface)
+    assert streamring._matches("10.95.0.0/16", "eth0", iface)
+    assert not streamring._matches("10.96.0.0/16", "eth0", iface)
+    assert not streamring._matches("not/a-cidr", "eth0", iface)
