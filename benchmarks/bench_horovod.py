@@ -10,7 +10,7 @@ forward, backward, step) of
 
 taking turns round after round (a noisy neighbour hurts all alike); each round records
 the median step of every variant, the max over ranks. Horovod itself is not a peer: its
-last release (0.28.1) does not build against this PyTorch (README, "Coming from Horovod").
+last release (0.28.1) does not build against this PyTorch (docs/data-parallel.md).
 
 TensorFlow/Keras (the same MLP in Keras 3, 2 ranks, one job, alternating rounds): a Keras
 ``train_on_batch`` step with ``collectives.horovod.keras.DistributedOptimizer``, and a
@@ -188,7 +188,7 @@ def main() -> int:
          f"{slower:+.1%} against collectives.dp (median of per-round ratios)"),
         ("collectives.dp DistributedOptimizer", ms(med["dp"]), ""),
         ("torch DDP, gloo", ms(med["ddp"]), f"hvd gives {med['ddp'] / med['hvd']:.2f}x DDP's speed"),
-        ("Horovod 0.28.1", "-", "does not build against PyTorch 2.x here (C++14; see README)"),
+        ("Horovod 0.28.1", "-", "does not build against PyTorch 2.x here (C++14; see docs/data-parallel.md)"),
         ("Keras 3 train_on_batch, collectives.horovod.keras DistributedOptimizer",
          ms(tmed["hvd-fit"]), ""),
         ("TF GradientTape step in tf.function, collectives.horovod.tensorflow "

@@ -196,16 +196,17 @@ def running_jobs() -> list[JobInfo]:
     return list_jobs().here
 
 
-def _elsewhere_note(jobs: list[JobInfo]) -> str:
+def _elsewhere_note(jobs: list[JobInfo], command: str) -> str:
     if not jobs:
         return ""
     listing = "; ".join(f"{j.id}, dtrun pid {j.dtrun_pid} {where(j)}" for j in jobs)
     return (f"; {len(jobs)} running where this shell cannot see {'its' if len(jobs) == 1 else 'their'} "
-            f"processes: {listing}; run dtrun stacks where the job runs")
+            f"processes: {listing}; run dtrun {command} where the job runs")
 
 
-def find_job(selector: Optional[str]) -> JobInfo:
-    """The one running job, or the one whose id or dtrun pid is ``selector``."""
+def find_job(selector: Optional[str], command: str = "stacks") -> JobInfo:
+    """The one running job, or the one whose id or dtrun pid is ``selector``; messages
+    name ``command`` (the dtrun subcommand asking: stacks, top)."""
     listing = list_jobs()
     jobs = listing.here
     if selector:
@@ -214,15 +215,15 @@ def find_job(selector: Optional[str]) -> JobInfo:
             away = [j for j in listing.elsewhere if selector in (j.id, str(j.dtrun_pid))]
             if away:
                 raise UsageError(f"dtrun job {away[0].id} runs {where(away[0])}, where this shell cannot see its "
-                                 "processes; run dtrun stacks where the job runs")
+                                 f"processes; run dtrun {command} where the job runs")
             raise UsageError(f"no running dtrun job {selector!r}; running: "
                              f"{', '.join(f'{j.id} (pid {j.dtrun_pid})' for j in jobs) or 'none'}"
-                             + _elsewhere_note(listing.elsewhere))
+                             + _elsewhere_note(listing.elsewhere, command))
         return match[0]
     if not jobs:
         raise UsageError(f"no running dtrun job found (looked in {jobs_dir()}); start one with dtrun, "
-                         "or give the same XDG_CACHE_HOME as the job's" + _elsewhere_note(listing.elsewhere))
+                         "or give the same XDG_CACHE_HOME as the job's" + _elsewhere_note(listing.elsewhere, command))
     if len(jobs) > 1:
         listing = "; ".join(f"{j.id} (pid {j.dtrun_pid}, {' '.join(j.program[:2])})" for j in jobs)
-        raise UsageError(f"{len(jobs)} dtrun jobs are running: {listing}; choose one: dtrun stacks JOB")
+        raise UsageError(f"{len(jobs)} dtrun jobs are running: {listing}; choose one: dtrun {command} JOB")
     return jobs[0]

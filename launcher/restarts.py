@@ -194,7 +194,9 @@ def failure_of(result, exception: Optional[tuple[str, str]] = None, on_hang: str
                        ("silent",) + hosts, hosts)
     if result.timeout:
         return Failure(result.timeout, ("start-timeout",))
-    return Failure(f"mpirun exited with code {result.mpirun_returncode}", ("mpirun", result.mpirun_returncode))
+    from launcher.job.summary import launcher_ended
+
+    return Failure(launcher_ended(result), ("mpirun", result.mpirun_returncode))
 
 
 def same_failure_twice(previous: Optional[Failure], current: Failure, hosts_healthy: bool) -> bool:

@@ -171,7 +171,7 @@ def show_top(spec: TopSpec) -> int:
                          "(py-spy samples whole seconds)")
     if not spec.timeout > 0:
         raise UsageError(f"--timeout {spec.timeout:g}: give a number of seconds above 0")
-    job = find_job(spec.job)
+    job = find_job(spec.job, "top")
     recent = Recent()
     stream = SampleStream(job, window, TOP_RATE_HZ, once=spec.once, connect_timeout=spec.timeout,
                           on_sample=recent.add)

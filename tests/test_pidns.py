@@ -135,6 +135,9 @@ def test_stacks_leaves_a_job_of_another_pid_namespace_and_names_it(other_pidns, 
         assert f"{theirs.name}, dtrun pid {record['dtrun_pid']} in another pid namespace, {holder.pid_ns}" \
             in p.stderr, p.stderr
         assert "run dtrun stacks where the job runs" in p.stderr
+        p = subprocess.run([DTRUN, "top", "--once"], capture_output=True, text=True, timeout=60,
+                           env=user_env(XDG_CACHE_HOME=str(cache)), cwd=REPO, stdin=subprocess.DEVNULL)
+        assert p.returncode == 2 and "run dtrun top where the job runs" in p.stderr, p.stderr
         p = subprocess.run([DTRUN, "stacks", theirs.name], capture_output=True, text=True, timeout=60,
                            env=user_env(XDG_CACHE_HOME=str(cache)), cwd=REPO, stdin=subprocess.DEVNULL)
         assert p.returncode == 2 and f"dtrun job {theirs.name} runs in another pid namespace" in p.stderr, p.stderr

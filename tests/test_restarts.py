@@ -185,3 +185,11 @@ def test_example_resumes_after_a_killed_rank_with_each_runtime(tmp_path, runtime
     assert "attempt 1: 2 ranks, resumed from step 5" in p.stdout
     final = [line for line in p.stdout.splitlines() if line.startswith("final w")]
     assert final == [line for line in ref.stdout.splitlines() if line.startswith("final w")] and final
+
+
+def test_a_launcher_that_ended_by_itself_is_named_as_it_ran():
+    # the attempt line names the launcher that ran: srun, mpiexec.hydra, or mpirun
+    assert failure_of(result(mpirun=3, launcher="srun")).what == "srun exited with code 3"
+    assert failure_of(result(mpirun=-9, launcher="mpiexec.hydra")).what == \
+        "mpiexec.hydra was killed by SIGKILL"
+    assert failure_of(result(mpirun=255)).what == "mpirun exited with code 255"
