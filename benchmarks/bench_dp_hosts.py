@@ -21,6 +21,11 @@ gradients), batch 32 per rank, one compute thread per rank. Layouts:
   counts with no arithmetic at all (each host sends 2(n-1)/n of the gradient to the next
   host with MPI_Sendrecv while it receives as much from the previous one).
 
+Each variant's row also gives the share of this machine's CPU time that was busy while it
+ran, and the kernel's part of it (system, irq and softirq: the simulated links' packet
+work), read from /proc/stat around rank 0's steps: the namespace hosts share this
+machine's cores, so where those are saturated the step is bound by CPU, not by the link.
+
 The bound of one step's gradient exchange is the bytes each host must send over its link:
 a ring over n hosts sends 2(n-1)/n of the gradient; with fp16 half of that. Writes
 bench-results/dp_hosts.md and .json.
@@ -126,6 +131,38 @@ def _bare_allreduce(nbytes: int, args) -> dict:
     return {k: statistics.median(v) for k, v in rounds.items()}
 
 
+class CpuShare:
+    """Where this machine's CPU time went while each variant ran: rank 0 reads /proc/stat
+    (the namespace hosts share this machine's CPUs and kernel) around each of its steps.
+    ``busy`` is the share not idle; ``kernel`` the share in system, irq and softirq time,
+    which here is mostly the simulated links' packet work (veth, tbf, TCP)."""
+
+    def __init__(self) -> None:
+        self.ticks: dict[str, list[int]] = {}
+
+    @staticmethod
+    def _stat() -> list[int]:
+        with open("/proc/stat") as f:
+            return [int(t) for t in f.readline().split()[1:9]]
+
+    def wrap(self, mode: str, step):
+        def run():
+            a = self._stat()
+            step()
+            b = self._stat()
+            acc = self.ticks.setdefault(mode, [0] * 8)
+            for i in range(8):
+                acc[i] += b[i] - a[i]
+        return run
+
+    def shares(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for mode, t in self.ticks.items():  # user nice system idle iowait irq softirq steal
+            total = sum(t) or 1
+            out[mode] = {"busy": 1 - (t[3] + t[4]) / total, "kernel": (t[2] + t[5] + t[6]) / total}
+        return out
+
+
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -139,6 +176,9 @@ def worker(args) -> None:
     hvd.init()
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
     runners = _runners(ctx.rank)
+    cpu = CpuShare()
+    if ctx.rank == 0:
+        runners = {m: cpu.wrap(m, step) for m, step in runners.items()}
     rounds = timed_rounds(runners, args, lambda v: dp.allreduce_metric(v, op="max"))
     from bench_ddp import build_model
 
@@ -147,7 +187,8 @@ def worker(args) -> None:
     if ctx.rank == 0:
         print("BENCH " + json.dumps({"size": ctx.size, "grad_bytes": nbytes,
                                       "median_s": {m: statistics.median(v) for m, v in rounds.items()},
-                                      "rounds": rounds, "bare_s": bare}), flush=True)
+                                      "rounds": rounds, "bare_s": bare, "cpu": cpu.shares()}),
+              flush=True)
     import gc
 
     runners.clear()
@@ -186,13 +227,17 @@ def report(results: dict) -> list[str]:
         med, nbytes = doc["median_s"], doc["grad_bytes"]
         b, bh = bound_s(nbytes, hosts), bound_s(nbytes, hosts, fp16=True)
         lines += [f"## {hosts} hosts x {LAYOUTS[name][1]} rank(s): link bound {ms(b)} ms "
-                  f"({ms(bh)} ms with fp16)", "", "| variant | step (ms) | / bound | DDP / it |",
-                  "|---|---:|---:|---:|"]
+                  f"({ms(bh)} ms with fp16)", "",
+                  "| variant | step (ms) | / bound | DDP / it | CPU busy (kernel) |",
+                  "|---|---:|---:|---:|---:|"]
+        cpu = doc.get("cpu", {})
         for m in MODES:
+            c = cpu.get(m)
+            share = f"{c['busy'] * 100:.0f} % ({c['kernel'] * 100:.0f} %)" if c else ""
             lines.append(f"| {m} | {ms(med[m])} | {med[m] / (bh if m == 'fp16' else b):.2f} | "
-                         f"{med['ddp'] / med[m]:.2f} |")
+                         f"{med['ddp'] / med[m]:.2f} | {share} |")
         for k, v in doc["bare_s"].items():
-            lines.append(f"| {k} ({nbytes / 1e6:.1f} MB) | {ms(v)} | {v / b:.2f} | |")
+            lines.append(f"| {k} ({nbytes / 1e6:.1f} MB) | {ms(v)} | {v / b:.2f} | | |")
         lines.append("")
     return lines
 
