@@ -543,7 +543,7 @@ class _DistributedOptimizer:
         threads_ok = MPI.Query_thread() >= MPI.THREAD_SERIALIZED
         self._dp_overlap = bool(overlap) and threads_ok and ctx.size > 1
         self._dp_worker = _worker() if self._dp_overlap else None
-        self._dp_hosts = _exchange(ctx, self._dp_buckets) if ctx.size > 1 else None
+        self._dp_hosts = _exchange(ctx, self._dp_buckets)
         self.transport = "ring" if self._dp_hosts is not None else "runtime"
         self._dp_hooks = [self._dp_register(s) for s in self._dp_slots] if ctx.size > 1 else []
 

@@ -29,14 +29,17 @@ TRANSPORTS = ("auto", "ring", "mpi")
 
 def wanted(comm: Any, cpu: bool) -> bool:
     """Whether buckets should go through the ring (the same answer on every rank:
-    collective over ``comm``). Raises ValueError for an unknown DTRUN_DP_TRANSPORT."""
+    collective over ``comm``). Raises ValueError on every rank when DTRUN_DP_TRANSPORT
+    is not a known value on some rank."""
     choice = os.environ.get("DTRUN_DP_TRANSPORT", "auto").strip().lower() or "auto"
-    if choice not in TRANSPORTS:
-        raise ValueError(f"DTRUN_DP_TRANSPORT={choice!r}: use one of {', '.join(TRANSPORTS)}")
     from ._mpi import MPI
 
-    mine = 1 if (choice != "mpi" and cpu and comm.nnodes > 1) else 0
-    return bool(comm.mpi.allreduce(mine, op=MPI.MIN))
+    mine = -1 if choice not in TRANSPORTS else int(choice != "mpi" and cpu and comm.nnodes > 1)
+    agreed = comm.mpi.allreduce(mine, op=MPI.MIN)
+    if agreed < 0:
+        where = f"{choice!r}" if mine < 0 else "not a known value on another rank"
+        raise ValueError(f"DTRUN_DP_TRANSPORT is {where}; use one of {', '.join(TRANSPORTS)}")
+    return bool(agreed)
 
 
 class HostExchange:

@@ -72,7 +72,7 @@ def test_calling_before_init_says_so():
     assert res["error"].startswith("broadcast_parameters on rank ?: called before init()")
 
 
-def test_bad_arguments_are_one_line_errors():
+def test_bad_arguments_are_one_line_errors(monkeypatch):
     import collectives.dp as dp
 
     ctx = dp.init()  # a singleton MPI job in this process
@@ -90,6 +90,12 @@ def test_bad_arguments_are_one_line_errors():
         with pytest.raises(dp.UsageError) as info:
             dp.DistributedOptimizer(opt, **kwargs)
         assert str(info.value).startswith(f"DistributedOptimizer on rank {ctx.rank}: {message}")
+    with monkeypatch.context() as m:
+        m.setenv("DTRUN_DP_TRANSPORT", "tcp")
+        with pytest.raises(dp.UsageError) as info:
+            dp.DistributedOptimizer(opt)
+        assert str(info.value) == (f"DistributedOptimizer on rank {ctx.rank}: DTRUN_DP_TRANSPORT is "
+                                   "'tcp'; use one of auto, ring, mpi")
     with pytest.raises(dp.UsageError, match="shard on rank 3: n_items=4, rank=3, size=2 out of range"):
         dp.shard(4, rank=3, size=2)
     wrapped = dp.DistributedOptimizer(opt, named_parameters=model.named_parameters())
@@ -181,6 +187,17 @@ def test_three_hosts_ring_equal_one_rank(cluster3, tmp_path, compression):
         _check_equivalent(ranks, rtol=0, atol=2e-2)
     else:
         _check_equivalent(ranks, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cluster
+@pytest.mark.mpi
+def test_uneven_hosts_ring_equal_one_rank(cluster3, tmp_path):
+    # 2 ranks on one host and 1 on the other: the lone rank is its host's leader
+    names = [h.name for h in cluster3.hosts[:2]]
+    ranks = _on_hosts(cluster3, f"{names[0]}:2,{names[1]}:1", tmp_path / "uneven",
+                      "--bucket-bytes", "4096")
+    assert {str(r["transports"]) for r in ranks} == {"ring"}
+    _check_equivalent(ranks, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.cluster
