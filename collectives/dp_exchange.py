@@ -11,7 +11,8 @@ rank spinning in a shared-memory wait would take the core that the kernel needs 
 the link's packets.
 
 Chosen when the job has more than one host and CPU buckets. ``DTRUN_DP_TRANSPORT=mpi``
-keeps every bucket on the runtime's allreduce instead (MPI between hosts).
+keeps every bucket on the runtime's allreduce instead (MPI between hosts);
+``DTRUN_DP_RING_PORTS=LOW-HIGH`` says which ports the ring listens on (for a firewall).
 """
 
 from __future__ import annotations
@@ -27,18 +28,42 @@ from .streamring import RingError, StreamRing
 TRANSPORTS = ("auto", "ring", "mpi")
 
 
+def ring_ports(value: str | None) -> tuple[int, int] | None:
+    """``DTRUN_DP_RING_PORTS`` (``LOW-HIGH``: the ports the ring may listen on, for a
+    firewall) as a pair, or None (any free port). ValueError when malformed."""
+    if value is None or not value.strip():
+        return None
+    low, sep, high = value.strip().partition("-")
+    if not (sep and low.isdigit() and high.isdigit() and 1024 <= int(low) <= int(high) <= 65535):
+        raise ValueError(f"DTRUN_DP_RING_PORTS={value!r}: expected LOW-HIGH, ports from 1024 "
+                         "to 65535, e.g. 47000-47100")
+    return int(low), int(high)
+
+
+def _setting_problem() -> str:
+    choice = os.environ.get("DTRUN_DP_TRANSPORT", "auto").strip().lower() or "auto"
+    if choice not in TRANSPORTS:
+        return f"DTRUN_DP_TRANSPORT is {choice!r}; use one of {', '.join(TRANSPORTS)}"
+    try:
+        ring_ports(os.environ.get("DTRUN_DP_RING_PORTS"))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def wanted(comm: Any, cpu: bool) -> bool:
     """Whether buckets should go through the ring (the same answer on every rank:
-    collective over ``comm``). Raises ValueError on every rank when DTRUN_DP_TRANSPORT
-    is not a known value on some rank."""
-    choice = os.environ.get("DTRUN_DP_TRANSPORT", "auto").strip().lower() or "auto"
+    collective over ``comm``). Raises ValueError on every rank when DTRUN_DP_TRANSPORT or
+    DTRUN_DP_RING_PORTS is malformed on some rank."""
     from ._mpi import MPI
 
-    mine = -1 if choice not in TRANSPORTS else int(choice != "mpi" and cpu and comm.nnodes > 1)
+    problem = _setting_problem()
+    choice = os.environ.get("DTRUN_DP_TRANSPORT", "auto").strip().lower() or "auto"
+    mine = -1 if problem else int(choice != "mpi" and cpu and comm.nnodes > 1)
     agreed = comm.mpi.allreduce(mine, op=MPI.MIN)
     if agreed < 0:
-        where = f"{choice!r}" if mine < 0 else "not a known value on another rank"
-        raise ValueError(f"DTRUN_DP_TRANSPORT is {where}; use one of {', '.join(TRANSPORTS)}")
+        raise ValueError(problem or "DTRUN_DP_TRANSPORT or DTRUN_DP_RING_PORTS is malformed on "
+                         "another rank; set them alike on every rank")
     return bool(agreed)
 
 
@@ -61,9 +86,11 @@ class HostExchange:
         problem = ""
         if leader:
             try:
-                self.ring = StreamRing(sub, add)
+                self.ring = StreamRing(sub, add,
+                                       ports=ring_ports(os.environ.get("DTRUN_DP_RING_PORTS")),
+                                       ranks=sub.allgather(comm.rank))
             except RingError as e:
-                problem = str(e)
+                problem = e.problem
             finally:
                 sub.Free()
         self.bell: _Bell | None = None
@@ -125,8 +152,8 @@ def open_exchange(comm: Any, add, scale, copy) -> HostExchange | None:
         return HostExchange(comm, add, scale, copy)
     except RingError as e:
         if comm.rank == 0:
-            print(f"collectives.dp: {e}; gradients go through MPI instead", file=sys.stderr,
-                  flush=True)
+            print(f"collectives.dp: {e.problem}; gradients go through MPI between hosts instead",
+                  file=sys.stderr, flush=True)
         return None
 
 

@@ -129,8 +129,12 @@ class StreamRing:
     (NumPy's, or faster kernels such as torch's for float16)."""
 
     def __init__(self, comm: Any, add: Callable[[np.ndarray, np.ndarray], None] | None = None,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, ports: tuple[int, int] | None = None,
+                 ranks: list[int] | None = None) -> None:
         self.p, self.r = comm.Get_size(), comm.Get_rank()
+        # how messages name the ring's members (e.g. their ranks in the job), and this one
+        self.ranks = list(ranks) if ranks is not None else list(range(self.p))
+        self.me = self.ranks[self.r]
         self._add = add or (lambda dst, src: np.add(dst, src, out=dst))
         self._chunk_bytes = int(chunk_bytes)
         self._jobs: dict[int, _Job] = {}
@@ -139,7 +143,7 @@ class StreamRing:
         self._broken: BaseException | None = None
         self._sendq: queue.Queue = queue.Queue()
         self._scratch = np.empty(self._chunk_bytes + 64, np.uint8)
-        self._out, self._in = _connect(comm, self.p, self.r)
+        self._out, self._in = _connect(comm, self.p, self.r, ports, self.ranks)
         self.hosts = comm.allgather(socket.gethostname())
         for target, name in ((self._sender, "send"), (self._receiver, "receive")):
             threading.Thread(target=target, name=f"dtrun-ring-{name}", daemon=True).start()
@@ -179,7 +183,7 @@ class StreamRing:
     def _failure(self, e: BaseException) -> RingError:
         if isinstance(e, RingError):
             return e
-        return RingError("allreduce", self.r, f"the ring between hosts failed: {e}")
+        return RingError("allreduce", self.me, f"the ring between hosts failed: {e}")
 
     # ------------------------------------------------------------------ the two threads
     def _queue(self, job: _Job, step: int, c: int, i: int, j: int) -> None:
@@ -200,7 +204,7 @@ class StreamRing:
                     job.unsent -= 1
                     self._maybe_done(job)
         except OSError as e:
-            self._break(RingError("allreduce", self.r, f"the connection to rank {right} on "
+            self._break(RingError("allreduce", self.me, f"the connection to rank {self.ranks[right]} on "
                                   f"{self.hosts[right]} broke ({e.strerror or e}); it ended "
                                   "or failed"))
         except BaseException as e:  # noqa: BLE001 - handed to every waiter
@@ -236,8 +240,8 @@ class StreamRing:
                 nbytes != (spans[c][1] - spans[c][0]) * job.flat.itemsize or step > 2 * p - 3:
             left = (r - 1) % p
             raise RingMismatchError(
-                "allreduce", r, f"bucket #{job.seq} differs between ranks: rank {left} on "
-                f"{self.hosts[left]} has {_describe(sig)}, rank {r} has "
+                "allreduce", self.me, f"bucket #{job.seq} differs between ranks: rank "
+                f"{self.ranks[left]} on {self.hosts[left]} has {_describe(sig)}, rank {self.me} has "
                 f"{_describe(job.sig)}; every rank must reduce the same buckets in the "
                 "same order")
         i, j = spans[c]
@@ -267,7 +271,7 @@ class StreamRing:
             k = self._in.recv_into(view[got:], n - got, socket.MSG_WAITALL)
             if k == 0:
                 left = (self.r - 1) % self.p
-                raise RingError("allreduce", self.r, f"rank {left} on {self.hosts[left]} "
+                raise RingError("allreduce", self.me, f"rank {self.ranks[left]} on {self.hosts[left]} "
                                 "closed the ring's connection (it ended or failed)")
             got += k
 
@@ -294,33 +298,39 @@ class StreamRing:
         """Close the connections (the other ranks' pending waits then fail)."""
         with self._cv:
             if self._broken is None:
-                self._broken = RingError("allreduce", self.r, "the ring was closed")
+                self._broken = RingError("allreduce", self.me, "the ring was closed")
         self._shutdown()
         for s in (self._out, self._in):
             s.close()
 
 
 # ---------------------------------------------------------------------- connection setup
-def _connect(comm: Any, p: int, r: int) -> tuple[socket.socket, socket.socket]:
+def _connect(comm: Any, p: int, r: int, ports: tuple[int, int] | None,
+             ranks: list[int]) -> tuple[socket.socket, socket.socket]:
     """Connect to the next rank and accept the previous one; every rank learns whether
     all of them succeeded (a RingError on every rank otherwise, naming the first)."""
     include = os.environ.get("OMPI_MCA_btl_tcp_if_include")
     # Loopback only when the host has nothing else (then every rank is on this host).
     mine = _local_networks(include) or _local_networks(None) or \
         [ipaddress.IPv4Interface("127.0.0.1/8")]
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("0.0.0.0", 0))
-    listener.listen(4)
+    listener, why = _listen(ports)
     token = comm.bcast(secrets.token_bytes(16) if r == 0 else None, root=0)
-    table = comm.allgather(([str(m.ip) for m in mine], listener.getsockname()[1]))
+    table = comm.allgather(([str(m.ip) for m in mine],
+                            listener.getsockname()[1] if listener else 0, why))
+    deaf = [(i, w) for i, (_, _, w) in enumerate(table) if w]
+    if deaf:  # the same table on every rank: the same decision, no more collectives
+        if listener is not None:
+            listener.close()
+        raise RingError("allreduce", ranks[r], f"rank {ranks[deaf[0][0]]} could not join the ring between "
+                        f"hosts: {deaf[0][1]}")
     out = inp = None
     problem = ""
     try:
         inp_box: dict = {}
-        acceptor = threading.Thread(target=_accept, args=(listener, token, (r - 1) % p, inp_box),
-                                    daemon=True)
+        acceptor = threading.Thread(target=_accept, args=(listener, token, (r - 1) % p, inp_box,
+                                                          ranks[(r - 1) % p]), daemon=True)
         acceptor.start()
-        addrs, port = table[(r + 1) % p]
+        addrs, port, _ = table[(r + 1) % p]
         out, problem = _dial(_order_for(addrs, mine), port, token, r)
         acceptor.join(CONNECT_TIMEOUT_S + 1)
         inp = inp_box.get("sock")
@@ -335,11 +345,27 @@ def _connect(comm: Any, p: int, r: int) -> tuple[socket.socket, socket.socket]:
             if s is not None:
                 s.close()
         i, m = bad[0]
-        raise RingError("allreduce", r, f"rank {i} could not join the ring between hosts: {m}")
+        raise RingError("allreduce", ranks[r], f"rank {ranks[i]} could not join the ring between "
+                        f"hosts: {m}")
     for s in (out, inp):
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.settimeout(None)
     return out, inp
+
+
+def _listen(ports: tuple[int, int] | None) -> tuple[socket.socket | None, str]:
+    """A listening socket on any port, or on the first free one of ``ports``."""
+    candidates = range(ports[0], ports[1] + 1) if ports else (0,)
+    for port in candidates:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind(("0.0.0.0", port))
+            s.listen(4)
+            return s, ""
+        except OSError:
+            s.close()
+    return None, f"no free port in DTRUN_DP_RING_PORTS={ports[0]}-{ports[1]}" if ports else \
+        "could not listen on any port"
 
 
 def _dial(addrs: list[str], port: int, token: bytes, r: int) -> tuple[socket.socket | None, str]:
@@ -354,7 +380,8 @@ def _dial(addrs: list[str], port: int, token: bytes, r: int) -> tuple[socket.soc
     return None, "; ".join(errors) or "the next rank published no address"
 
 
-def _accept(listener: socket.socket, token: bytes, left: int, box: dict) -> None:
+def _accept(listener: socket.socket, token: bytes, left: int, box: dict,
+            label: int | None = None) -> None:
     """Accept the previous rank's connection: the first that presents the ring's token
     and the expected rank (anything else is closed and ignored)."""
     import time
@@ -382,4 +409,5 @@ def _accept(listener: socket.socket, token: bytes, left: int, box: dict) -> None
         except OSError:
             pass
         s.close()
-    box["problem"] = f"rank {left} did not connect within {CONNECT_TIMEOUT_S:.0f} s"
+    box["problem"] = (f"rank {left if label is None else label} did not connect within "
+                      f"{CONNECT_TIMEOUT_S:.0f} s")

@@ -5,6 +5,7 @@ example. Skipped with the reason where PyTorch is not installed."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -96,6 +97,13 @@ def test_bad_arguments_are_one_line_errors(monkeypatch):
             dp.DistributedOptimizer(opt)
         assert str(info.value) == (f"DistributedOptimizer on rank {ctx.rank}: DTRUN_DP_TRANSPORT is "
                                    "'tcp'; use one of auto, ring, mpi")
+        m.setenv("DTRUN_DP_TRANSPORT", "ring")
+        m.setenv("DTRUN_DP_RING_PORTS", "80-90")
+        with pytest.raises(dp.UsageError) as info:
+            dp.DistributedOptimizer(opt)
+        assert str(info.value) == (f"DistributedOptimizer on rank {ctx.rank}: DTRUN_DP_RING_PORTS="
+                                   "'80-90': expected LOW-HIGH, ports from 1024 to 65535, e.g. "
+                                   "47000-47100")
     with pytest.raises(dp.UsageError, match="shard on rank 3: n_items=4, rank=3, size=2 out of range"):
         dp.shard(4, rank=3, size=2)
     wrapped = dp.DistributedOptimizer(opt, named_parameters=model.named_parameters())
@@ -197,6 +205,33 @@ def test_uneven_hosts_ring_equal_one_rank(cluster3, tmp_path):
     ranks = _on_hosts(cluster3, f"{names[0]}:2,{names[1]}:1", tmp_path / "uneven",
                       "--bucket-bytes", "4096")
     assert {str(r["transports"]) for r in ranks} == {"ring"}
+    _check_equivalent(ranks, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cluster
+@pytest.mark.mpi
+def test_a_ring_the_firewall_blocks_falls_back_to_mpi_in_one_line(cluster3, tmp_path):
+    # The ring may listen only on 47000-47010, and the second host's firewall drops those
+    # ports (MPI's own ports stay open): rank 0 cannot reach it, every rank learns so, and
+    # the job goes on through MPI with one line saying why.
+    h1, h2 = cluster3.hosts[:2]
+    rule = ["INPUT", "-p", "tcp", "--dport", "47000:47010", "-j", "DROP"]
+    cluster3.exec(h2, ["iptables", "-I", *rule], check=True)
+    try:
+        p = dtrun("--ssh-config", cluster3.ssh_config, "-H", f"{h1.name}:1,{h2.name}:1",
+                  "-x", "DTRUN_DP_RING_PORTS=47000-47010", PYTHON,
+                  str(REPO / "tests" / "dp_train.py"), str(tmp_path / "fw"),
+                  "--bucket-bytes", "4096", timeout=240)
+    finally:
+        cluster3.exec(h2, ["iptables", "-D", *rule], check=True)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    said = [ln for ln in (p.stdout + p.stderr).splitlines() if "collectives.dp:" in ln]
+    assert len(said) == 1, said
+    assert re.search(rf"collectives\.dp: rank 0 could not join the ring between hosts: "
+                     rf"{re.escape(h2.addr)}:470\d\d: timed out; gradients go through MPI "
+                     r"between hosts instead$", said[0]), said
+    ranks = [dict(np.load(tmp_path / "fw" / f"rank.{r}.npz")) for r in range(2)]
+    assert {str(r["transports"]) for r in ranks} == {"runtime"}
     _check_equivalent(ranks, rtol=1e-5, atol=1e-6)
 
 

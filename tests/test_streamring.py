@@ -6,6 +6,7 @@ rank program; the data-parallel layer over namespace hosts is in tests/test_dp.p
 from __future__ import annotations
 
 import json
+import re
 import socket
 import sys
 import threading
@@ -61,12 +62,15 @@ def test_a_bucket_that_differs_is_an_error_on_every_rank_naming_both_sizes():
 @pytest.mark.mpi
 def test_a_rank_that_leaves_fails_the_others_instead_of_hanging():
     res = _results(3, "peer-closes")
-    host = socket.gethostname()
+    host = re.escape(socket.gethostname())
     assert res[1]["error"] is None
-    assert res[2]["error"] == (f"allreduce on rank 2: rank 1 on {host} closed the ring's "
-                               "connection (it ended or failed)")
-    assert res[0]["error"].startswith("allreduce on rank 0: ")
-    assert "rank 1" in res[0]["error"] or "rank 2" in res[0]["error"]
+    # each of the others sees a connection of its own close or break: rank 1's, or the next
+    # one's as the failure travels round the ring (which comes first is a race)
+    for r in (0, 2):
+        assert re.fullmatch(rf"allreduce on rank {r}: (rank [0-2] on {host} closed the ring's "
+                            rf"connection \(it ended or failed\)|the connection to rank [0-2] on "
+                            rf"{host} broke \([^)]+\); it ended or failed)", res[r]["error"]), res
+    assert any("rank 1" in res[r]["error"] for r in (0, 2)), res
 
 
 def test_the_listener_admits_only_the_token_and_rank_it_expects():
