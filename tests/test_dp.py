@@ -167,45 +167,28 @@ def _on_hosts(cluster, spec: str, out, *extra, env: tuple[str, ...] = ()) -> lis
     return [dict(np.load(out / f"rank.{r}.npz")) for r in range(n)]
 
 
-@pytest.mark.cluster
-@pytest.mark.mpi
-@pytest.mark.parametrize("compression", ["none", "fp16"])
-def test_two_hosts_hierarchical_equal_one_rank(cluster3, tmp_path, compression):
-    # 2 ranks on each of 2 namespace hosts: shared memory within a host (fp16: summed in
-    # float32 there), the TCP ring between them (tiny buckets: many in flight at once).
-    names = [h.name for h in cluster3.hosts[:2]]
-    ranks = _on_hosts(cluster3, f"{names[0]}:2,{names[1]}:2", tmp_path / "hosts",
-                      "--bucket-bytes", "4096", "--compression", compression)
-    assert {str(r["transports"]) for r in ranks} == {"ring"}
-    if compression == "fp16":
-        _check_equivalent(ranks, rtol=0, atol=2e-2)
-    else:
-        _check_equivalent(ranks, rtol=1e-5, atol=1e-6)
+# Ranks per host, and bytes per bucket: tiny buckets, many of them in flight at once.
+RING_LAYOUTS = {
+    "2x2": ((2, 2), 4096),  # shared memory within a host (fp16: summed in float32 there)
+    "3x1": ((1, 1, 1), 5000),  # a ring of 3, buckets whose sizes 3 does not divide
+    "2+1": ((2, 1), 4096),  # uneven: the lone rank is its host's leader
+}
 
 
 @pytest.mark.cluster
 @pytest.mark.mpi
 @pytest.mark.parametrize("compression", ["none", "fp16"])
-def test_three_hosts_ring_equal_one_rank(cluster3, tmp_path, compression):
-    # 3 hosts x 1 rank: a ring of 3, buckets whose sizes 3 does not divide
-    ranks = _on_hosts(cluster3, ",".join(f"{h.name}:1" for h in cluster3.hosts), tmp_path / "h3",
-                      "--bucket-bytes", "5000", "--compression", compression)
+@pytest.mark.parametrize("layout", list(RING_LAYOUTS))
+def test_ring_between_hosts_equals_one_rank(cluster3, tmp_path, layout, compression):
+    per_host, bucket = RING_LAYOUTS[layout]
+    spec = ",".join(f"{h.name}:{n}" for h, n in zip(cluster3.hosts, per_host))
+    ranks = _on_hosts(cluster3, spec, tmp_path / layout, "--bucket-bytes", str(bucket),
+                      "--compression", compression)
     assert {str(r["transports"]) for r in ranks} == {"ring"}
     if compression == "fp16":
         _check_equivalent(ranks, rtol=0, atol=2e-2)
     else:
         _check_equivalent(ranks, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.cluster
-@pytest.mark.mpi
-def test_uneven_hosts_ring_equal_one_rank(cluster3, tmp_path):
-    # 2 ranks on one host and 1 on the other: the lone rank is its host's leader
-    names = [h.name for h in cluster3.hosts[:2]]
-    ranks = _on_hosts(cluster3, f"{names[0]}:2,{names[1]}:1", tmp_path / "uneven",
-                      "--bucket-bytes", "4096")
-    assert {str(r["transports"]) for r in ranks} == {"ring"}
-    _check_equivalent(ranks, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.cluster

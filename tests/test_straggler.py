@@ -372,6 +372,40 @@ def test_balanced_job_names_nobody_and_top_sees_every_rank(cluster3, tmp_path, k
         assert full, err  # a table with every rank, measured
 
 
+@pytest.mark.cluster
+@pytest.mark.mpi
+def test_top_names_a_namespace_host_that_stops_answering_and_does_not_wait_for_it(cluster3, tmp_path):
+    """A running job on 3 namespace hosts; the third host's sshd is frozen (SIGSTOP: the
+    kernel still accepts connections, nothing answers them, as on a host that hangs).
+    `dtrun top --once --json` names that host, answers by its own deadline with the other
+    hosts' ranks, and the job (whose sessions on that host were open already) exits 0."""
+    script, _ = _script(tmp_path, "mpi4py", slow=False, steps=40)
+    env = user_env(XDG_CACHE_HOME=str(tmp_path / "cache"))
+    job = _launch(cluster3, script, env)
+    job.wait_for(r"^up$", count=6, timeout=150)
+    frozen = cluster3.hosts[2]
+    sshd = int(cluster3._sshd_pidfile(frozen).read_text().split()[0])
+    os.kill(sshd, signal.SIGSTOP)
+    try:  # ssh itself would wait for the banner for ever: only top's deadline ends this
+        p = subprocess.run([DTRUN, "top", "--once", "--json", "--timeout", "3"], capture_output=True,
+                           text=True, env=env, timeout=60)
+    finally:
+        os.kill(sshd, signal.SIGCONT)
+    print(p.stdout, p.stderr)
+    assert p.returncode == 1, p.stderr
+    v = json.loads(p.stdout)
+    hosts = {h["host"]: h for h in v["hosts"]}
+    # ssh's own ConnectTimeout (it covers the banner) or top's deadline, whichever is first
+    assert re.fullmatch(r"no answer within .*|Connection to \S+ port 22 timed out",
+                        hosts[frozen.name]["error"]), hosts
+    assert all(hosts[h.name]["error"] is None for h in cluster3.hosts[:2]), hosts
+    assert sorted(r["rank"] for r in v["ranks"]) == [0, 1, 2, 3]  # the others' ranks, measured
+    assert v["missing"] == [4, 5]
+    rc = job.finish(timeout=240)
+    assert rc == 0, job.text("err")
+    assert len(re.findall(r"^done \d", job.text("out"), re.M)) == 6
+
+
 # ------------------------------------------------------------------ the runtime's flag: the rank marks its time inside
 
 FLAG_JOB = """import sys, time
