@@ -13,7 +13,8 @@ from typing import List, Optional
 
 import typer
 
-from launcher.errors import DtrunError, ExitCode, UsageError
+from launcher.errors import DtrunError, ExitCode, UsageError, signal_name
+from launcher.job import stopsignals
 from launcher.optargs import _MCA_KEY, no_such_option, option_table, split_launch_argv
 
 SUBCOMMANDS = ("hosts", "smoke", "bench", "doctor", "keyscan", "completion", "stacks", "top")
@@ -75,7 +76,7 @@ def run(
     max_restarts: int = typer.Option(0, "--max-restarts", help="Restart a failed job up to N times, leaving out hosts that fail a check (exit 123 when all fail).", metavar="N"),
     min_np: Optional[str] = typer.Option(None, "--min-np", help="With --max-restarts: go on with fewer ranks, down to M, when hosts are lost and no spare is left.", metavar="M"),
     spares: Optional[str] = typer.Option(None, "--spares", help="With --max-restarts: hosts (host:slots,...) that take the place of lost ones.", metavar="HOSTS"),
-    timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop the job after this many seconds (exit 124)."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop the job after this many seconds, counted across --max-restarts attempts (exit 124)."),
     start_timeout: float = typer.Option(120.0, "--start-timeout", help="Stop the job if some ranks have not started after this many seconds, naming their hosts (exit 124; 0: no limit)."),
     top: bool = typer.Option(False, "--top", help="Show the live per-rank table of `dtrun top` on stderr while the job runs."),
     # Declared for --help and parsing; main reads it from argv before typer runs (read_invocation).
@@ -368,6 +369,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         code = exc.exit_code
     except KeyboardInterrupt:
         code = ExitCode.INTERRUPTED
+    except stopsignals.Stopped as exc:  # a stop signal where no job ran (launcher.job.stopsignals)
+        print(f"dtrun: stopped by {signal_name(exc.signum)}", file=sys.stderr)
+        code = stopsignals.exit_code(exc.signum)
     sys.exit(code)
 
 

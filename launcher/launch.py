@@ -13,6 +13,7 @@ from typing import Callable, Mapping, Optional
 from launcher import command as cmd
 from launcher import safe
 from launcher.errors import ExitCode, UsageError, signal_exit_code
+from launcher.job import stopsignals
 from launcher.flavors import Flavor, detect_flavor, find_mpirun
 from launcher.hosts import SLURM_SOURCE, HostSelection, all_local, is_local, resolve_hosts, resolve_np
 from launcher.netinfo import InterfaceChoice, SharedSubnet, local_address_on
@@ -70,7 +71,8 @@ class LaunchOptions:
     hang_timeout: Optional[float] = None  # report (or abort) after this many seconds without progress
     job_dir: Optional[str] = None  # set by launch(), never from the command line
     on_hang: str = "report"
-    timeout: Optional[float] = None  # seconds the whole job may run
+    timeout: Optional[float] = None  # seconds the whole run may take, restarts included
+    deadline: Optional[float] = None  # set by the restart loop: time.monotonic() when --timeout ends
     start_timeout: Optional[float] = DEFAULT_START_TIMEOUT_S  # seconds until every rank has started
     launcher: str = "auto"  # "srun", "mpirun", or srun inside an allocation when the MPI can (launcher/slurm.py)
     max_restarts: int = 0  # restart a failed job up to N times without the hosts that fail the check (launcher/restarts.py)
@@ -475,26 +477,41 @@ def _attempt(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Pr
     expected = expected_hosts(spec.hosts, spec.np) if spec.rank_wrapper else []
     stop_watch = watch_allocation(choice.allocation.job_id, environ=os.environ) if choice.allocation else None
     started = time.monotonic()
-    try:
-        result = run_job([a for g in prepared.groups for a in g.args], timeout=check_seconds(opts.timeout, "--timeout"),
-                         start_timeout=check_seconds(opts.start_timeout, "--start-timeout"), expected=expected,
-                         monitor=monitor, observers=observers)
-    finally:
-        if stop_watch is not None:
-            stop_watch()
-    attempt = Attempt(0, result, tuple(expected_hosts(spec.hosts, spec.np)), tuple(h.host for h in spec.hosts),
-                      monitor.job if monitor is not None else None, srun=choice.launcher == "srun",
-                      in_slurm=choice.allocation is not None, elapsed=time.monotonic() - started, selection=selection)
-    attempt.cleaned = cleanup or result.interrupted
-    _clean_up(prepared, result, monitor, attempt.cleaned, sweep)
-    if _ended_by_slurm(prepared, result, attempt):
-        return attempt
-    if tree_spawn_failure(result, spec, prepared.flavor, len(selection.hosts), choice.launcher):
-        result.notes.append(tree_spawn_note(len(selection.hosts)))
-    if result.returncode != 0 or result.notes:
-        print(failure_summary(result, spec.log_dir, opts.on_hang), file=sys.stderr)
-    attempt.code = result.returncode
+    # A stop signal from mpirun's start to the end of the clean-up is the supervisor's, or
+    # waits for the clean-up to finish (launcher.job.stopsignals): nothing is left running.
+    with stopsignals.held():
+        try:
+            result = run_job([a for g in prepared.groups for a in g.args], timeout=_time_left(opts),
+                             timeout_limit=check_seconds(opts.timeout, "--timeout"),
+                             start_timeout=check_seconds(opts.start_timeout, "--start-timeout"), expected=expected,
+                             monitor=monitor, observers=observers)
+        finally:
+            if stop_watch is not None:
+                stop_watch()
+        attempt = Attempt(0, result, tuple(expected_hosts(spec.hosts, spec.np)), tuple(h.host for h in spec.hosts),
+                          monitor.job if monitor is not None else None, srun=choice.launcher == "srun",
+                          in_slurm=choice.allocation is not None, elapsed=time.monotonic() - started,
+                          selection=selection, nspace=monitor.nspace if monitor is not None else "")
+        attempt.cleaned = cleanup or result.interrupted
+        _clean_up(prepared, result, monitor, attempt.cleaned, sweep)
+        if _ended_by_slurm(prepared, result, attempt):
+            return attempt
+        if tree_spawn_failure(result, spec, prepared.flavor, len(selection.hosts), choice.launcher):
+            result.notes.append(tree_spawn_note(len(selection.hosts)))
+        if result.returncode != 0 or result.notes:
+            print(failure_summary(result, spec.log_dir, opts.on_hang), file=sys.stderr)
+        attempt.code = result.returncode
     return attempt
+
+
+def _time_left(opts: LaunchOptions) -> Optional[float]:
+    """Seconds this attempt may run: what is left of the run's --timeout (restarts share it)."""
+    import time
+
+    limit = check_seconds(opts.timeout, "--timeout")
+    if limit is None or opts.deadline is None:
+        return limit
+    return max(opts.deadline - time.monotonic(), 0.0)
 
 
 def _notes(prepared: PreparedLaunch) -> list[str]:

@@ -8,10 +8,11 @@ the first attempt did not use (hosts beyond ``-np``, or ``--spares``). Each atte
 one line saying what failed, which hosts were left out and why, and where it runs.
 
 What is never restarted: a job stopped by the user (a signal, ``scancel``), a job that
-ran past ``--timeout``, and a failure that is the program's own: the same failure twice
-in a row while every host passes the check (``same_failure_twice``).
+ran past ``--timeout`` (the run's limit, shared by its attempts), and a failure that is the
+program's own: a failure that already ended an earlier attempt while every host passed the
+check both times (``repeated_failure``: A, B, A stops at the second A).
 
-The pure parts (``plan_hosts``, ``failure_of``, ``same_failure_twice``, ``attempt_line``,
+The pure parts (``plan_hosts``, ``failure_of``, ``repeated_failure``, ``attempt_line``,
 ``lost_host_lines``) are tested by value; ``run`` is the loop around the launch.
 """
 from __future__ import annotations
@@ -25,8 +26,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Sequence
 
-from launcher.errors import ExitCode, UsageError, signal_exit_code
+from launcher.errors import ExitCode, UsageError
 from launcher.hostfile import HostSlots
+from launcher.job import stopsignals
 
 # The host check the CLI injects (launcher/ never imports checks/):
 # (opts, selection, hosts, environ) -> {host name: why it failed}; hosts not named passed.
@@ -199,6 +201,14 @@ def failure_of(result, exception: Optional[tuple[str, str]] = None, on_hang: str
     return Failure(launcher_ended(result), ("mpirun", result.mpirun_returncode))
 
 
+def repeated_failure(earlier: Mapping[tuple, int], current: Failure, hosts_healthy: bool) -> Optional[int]:
+    """The no-blind-loop rule: a failure that already ended an earlier attempt of this run
+    while every host passed the check, and does so again: the program's own (alternating
+    failures A, B, A stop at the second A). Returns that earlier attempt (0-based), or None.
+    ``earlier`` maps the key of each failure on healthy hosts to its first attempt."""
+    return earlier.get(current.key) if hosts_healthy else None
+
+
 def same_failure_twice(previous: Optional[Failure], current: Failure, hosts_healthy: bool) -> bool:
     """The no-blind-loop rule: the same failure twice in a row, every host passing the check
     both times (``previous`` is None after an attempt on which a host failed it)."""
@@ -255,6 +265,7 @@ class Attempt:
     elapsed: float = 0.0
     selection: object = None  # launcher.hosts.HostSelection of this attempt
     cleaned: bool = False  # the attempt already stopped its leftovers on every host
+    nspace: str = ""  # Open MPI 5: the attempt's PMIx namespace, which proves its daemons (kill agent)
 
 
 @dataclass
@@ -267,30 +278,6 @@ class Timings:
     relaunched: list = field(default_factory=list)  # monotonic time the next attempt started
 
 
-class _Stopped(Exception):
-    def __init__(self, signum: int):
-        self.signum = signum
-
-
-def _on_stop_signals():
-    """Between attempts a stop signal ends the run at once (no further attempt); returns the
-    previous handlers."""
-    from launcher.job.supervisor import STOP_SIGNALS
-
-    def handler(signum, _frame):
-        raise _Stopped(signum)
-
-    old = {}
-    for s in STOP_SIGNALS:
-        if s == signal.SIGQUIT or (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN):
-            continue
-        try:
-            old[s] = signal.signal(s, handler)
-        except (OSError, ValueError):
-            pass
-    return old
-
-
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -300,7 +287,7 @@ def parse_spares(text: Optional[str]) -> tuple[HostSlots, ...]:
         return ()
     from launcher.hostfile import parse_host_list
 
-    return tuple(parse_host_list(text))
+    return tuple(parse_host_list(text, "--spares"))
 
 
 def check_options(opts, selection) -> tuple[tuple[HostSlots, ...], Optional[int]]:
@@ -312,6 +299,11 @@ def check_options(opts, selection) -> tuple[tuple[HostSlots, ...], Optional[int]
     if not opts.max_restarts and (opts.spares or opts.min_np is not None):
         flag = "--spares" if opts.spares else "--min-np"
         raise UsageError(f"{flag} is used when a job restarts: add --max-restarts N")
+    if opts.on_hang == "restart" and (opts.hang_timeout is None or not opts.max_restarts):
+        need = " and ".join(f for f, v in (("--hang-timeout S", opts.hang_timeout), ("--max-restarts N",
+                                                                                   opts.max_restarts)) if not v)
+        raise UsageError(f"--on-hang restart restarts a job that made no progress for --hang-timeout seconds: "
+                         f"add {need}")
     if selection is None:
         return (), None
     spares = parse_spares(opts.spares)
@@ -335,25 +327,23 @@ def run(opts, attempt: Callable[..., Attempt], preflight=None, host_check: Optio
     environ = os.environ if environ is None else environ
     check_options(opts, None)
     loop = _Attempts(opts, attempt, preflight, host_check, environ, timings)
-    old = _on_stop_signals() if loop.restarts else {}
+    if not loop.restarts:
+        return loop.one()  # a stop signal outside the job ends dtrun in cli.main
     try:
         while True:
             code = loop.one()
             if code is not None:
                 return code
-    except _Stopped as exc:
+    except stopsignals.Stopped as exc:
         from launcher.errors import signal_name
 
         _say(f"dtrun: stopped by {signal_name(exc.signum)} between attempts; no further attempt")
-        return ExitCode.INTERRUPTED if exc.signum == signal.SIGINT else signal_exit_code(exc.signum)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        return stopsignals.exit_code(exc.signum)
 
 
 class _Attempts:
     """The attempts of one run: the hosts planned, those left out and why, the failure of
-    the attempt before (a failure twice in a row on good hosts is the program's own)."""
+    the earlier attempts (a failure seen again on good hosts is the program's own)."""
 
     def __init__(self, opts, attempt, preflight, host_check: Optional[HostCheck], environ, timings):
         from launcher.hosts import resolve_hosts, resolve_np
@@ -376,16 +366,18 @@ class _Attempts:
             self.first = tuple(h.host for h in self.plan.hosts)
         self.base_id = opts.run_id or (_new_run_id() if opts.log_dir else None)
         self.left_out: dict[str, str] = {}
-        self.previous: Optional[Failure] = None
+        self.healthy_failures: dict[tuple, int] = {}  # failure key -> first attempt (0-based) it ended on good hosts
         self.total = opts.max_restarts + 1
         self.n = 0
+        # --timeout is the run's: every attempt gets what is left of it (launch._time_left).
+        self.deadline = time.monotonic() + opts.timeout if opts.timeout is not None and opts.timeout > 0 else None
 
     def _opts(self, job_dir):
         """The options of attempt ``n``: its hosts, rank count, restart count and run id."""
         opts, n = self.opts, self.n
         if not self.restarts:
             return replace(opts, job_dir=job_dir)
-        return replace(opts, job_dir=job_dir, selection=replace(self.selection, hosts=self.plan.hosts),
+        return replace(opts, job_dir=job_dir, deadline=self.deadline, selection=replace(self.selection, hosts=self.plan.hosts),
                        np=str(self.plan.np),
                        env=tuple(opts.env) + (f"DTRUN_RESTART_COUNT={n}", f"TORCHELASTIC_RESTART_COUNT={n}"),
                        run_id=f"{self.base_id}-attempt-{n + 1}" if self.base_id else opts.run_id)
@@ -405,14 +397,20 @@ class _Attempts:
                 self.timings.detected.append(time.monotonic())
             if att.code == 0 or att.result is None:
                 return att.code
-            timed_out = self.opts.timeout is not None and att.elapsed >= self.opts.timeout
-            failure = failure_of(att.result, watch.exception(), self.opts.on_hang, timed_out)
+            failure = failure_of(att.result, watch.exception(), self.opts.on_hang, _timed_out(att.result))
             if att.ended:
                 failure = replace(failure, restartable=False, reason="Slurm stopped the job")
-            bad = self._check_hosts(att, a_opts, failure)
+            try:
+                bad = self._check_hosts(att, a_opts, failure)
+            except stopsignals.Stopped:
+                if self.restarts and not att.cleaned:
+                    with stopsignals.held():
+                        _cleanup(att, att.hosts)
+                raise
             t0 = time.monotonic()
             if self.restarts and not att.cleaned:
-                _cleanup(att, [h for h in att.hosts if h not in bad])
+                with stopsignals.held():  # a signal now waits for the clean-up, then ends the run
+                    _cleanup(att, [h for h in att.hosts if h not in bad])
             if self.timings is not None:
                 self.timings.cleanup.append(time.monotonic() - t0)
             return self._next(att, failure, bad)
@@ -445,16 +443,23 @@ class _Attempts:
         of the next attempt made and said)."""
         if not self.restarts or not failure.restartable:
             return att.code
-        if same_failure_twice(self.previous, failure, not bad):
-            _say(f"dtrun: not restarting: the same failure twice in a row ({failure.what}) while every "
+        earlier = repeated_failure(self.healthy_failures, failure, not bad)
+        if earlier is not None:
+            again = "twice in a row" if earlier == self.n else f"again (as in attempt {earlier + 1})"
+            _say(f"dtrun: not restarting: the same failure {again} ({failure.what}) while every "
                  f"host passed the check: the program's own error; fix it and run again (exit code "
                  f"{att.code}, the job's own)")
             return att.code
-        self.previous = None if bad else failure
+        if not bad:
+            self.healthy_failures.setdefault(failure.key, self.n)
         if self.n + 1 >= self.total:
             _say(f"dtrun: not restarting: all {self.total} attempts (--max-restarts {self.opts.max_restarts}) "
                  f"failed; the last: {failure.what} (exit code {int(ExitCode.RESTARTS)})")
             return ExitCode.RESTARTS
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            _say(f"dtrun: not restarting: the run used all of --timeout {self.opts.timeout:g} s (it counts "
+                 f"across attempts); the last: {failure.what} (exit code {int(ExitCode.TIMEOUT)})")
+            return ExitCode.TIMEOUT
         self.left_out.update(bad)
         try:
             self.plan = plan_hosts(self.selection.hosts, self.spares, list(self.left_out), self.np, self.min_np,
@@ -479,10 +484,20 @@ def _new_run_id() -> str:
     return new_run_id()
 
 
+def _timed_out(result) -> bool:
+    """Whether the run's --timeout stopped the attempt (never restarted: it covers the whole run)."""
+    from launcher.job.result import StopReason
+
+    return result.stop is not None and result.stop.reason is StopReason.TIMEOUT
+
+
 def _cleanup(att: Attempt, hosts: Sequence[str]) -> None:
-    """Stop what is left of a failed attempt on ``hosts`` (those that passed the check), at once."""
+    """Stop what is left of a failed attempt on ``hosts`` (those that passed the check), at once.
+
+    The attempt's own PMIx namespace goes with it: under Open MPI 5 it is what proves a
+    daemon of the failed attempt whose ranks have ended (a frozen or slow ``prted``)."""
     if att.job is None or att.srun or not hosts:
         return  # under srun, Slurm ends the step's processes itself
-    from launcher.hangwatch import Monitor
+    from launcher.job.kill import kill_leftovers
 
-    Monitor(replace(att.job, hosts=tuple(hosts))).kill_leftovers(budget=CLEANUP_BUDGET_S)
+    kill_leftovers(replace(att.job, hosts=tuple(hosts)), att.nspace, budget=CLEANUP_BUDGET_S)

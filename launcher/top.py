@@ -16,6 +16,7 @@ from statistics import median
 from typing import Callable, Optional, Sequence
 
 from launcher.errors import ExitCode, UsageError
+from launcher.job import stopsignals
 from launcher.jobstate import JobInfo
 from launcher.straggler import (Confirmed, HostSample, RankTotals, Recent, SampleStream, find_straggler,
                                 frame_text, render_finding)
@@ -197,7 +198,7 @@ def show_top(spec: TopSpec) -> int:
                 print(("\x1b[H\x1b[2J" if tty else "\n") + render(v), flush=True)
             if not stream.running():
                 return ExitCode.OK  # every host's agent ended with its ranks: the job is over
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, stopsignals.Stopped):
         return ExitCode.INTERRUPTED  # top stops; the job was only read, never signalled
     finally:
         stream.stop()

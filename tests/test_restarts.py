@@ -193,3 +193,44 @@ def test_a_launcher_that_ended_by_itself_is_named_as_it_ran():
     assert failure_of(result(mpirun=-9, launcher="mpiexec.hydra")).what == \
         "mpiexec.hydra was killed by SIGKILL"
     assert failure_of(result(mpirun=255)).what == "mpirun exited with code 255"
+
+
+# ---- the run's rules: one --timeout for all attempts, no loop on alternating failures --------
+
+FAIL_BY_ATTEMPT = ("import os, sys, time\nn = int(os.environ['DTRUN_RESTART_COUNT'])\n"
+                   "time.sleep(float(os.environ.get('NAP', '0')))\nsys.exit(int(os.environ['CODES'].split(',')[n]))\n")
+
+
+@pytest.mark.mpi
+def test_timeout_is_the_runs_across_attempts():
+    """--timeout 5 with attempts that each fail after 3 s: the second attempt gets the 2 s that
+    are left and is stopped (exit 124); a third never starts (it could not before 6 s)."""
+    from tests.dtrun_helpers import user_env
+
+    p = dtrun("-np", "1", "--max-restarts", "3", "--timeout", "5", PYTHON, "-c", FAIL_BY_ATTEMPT,
+              env=user_env(NAP="3", CODES="3,4,5,6"), timeout=120)
+    assert p.returncode == ExitCode.TIMEOUT, p.stderr
+    assert "--timeout 5" in p.stderr and "attempt 3 of 4" not in p.stderr, p.stderr
+
+
+@pytest.mark.mpi
+def test_a_failure_seen_again_after_another_is_not_restarted_again():
+    """Failures A, B, A on healthy hosts: the second A is the program's own; no fourth attempt."""
+    from tests.dtrun_helpers import user_env
+
+    p = dtrun("-np", "1", "--max-restarts", "5", PYTHON, "-c", FAIL_BY_ATTEMPT,
+              env=user_env(CODES="3,4,3,4,3,4"), timeout=120)
+    assert p.returncode == 3, p.stderr
+    assert "dtrun: not restarting: the same failure again (as in attempt 1)" in p.stderr, p.stderr
+    assert "attempt 4 of 6" not in p.stderr
+
+
+@pytest.mark.parametrize("args, needles", [
+    (("--on-hang", "restart"), ("--on-hang restart", "add --hang-timeout S and --max-restarts N")),
+    (("--on-hang", "restart", "--hang-timeout", "5"), ("--on-hang restart", "add --max-restarts N")),
+    (("--on-hang", "restart", "--max-restarts", "1"), ("--on-hang restart", "add --hang-timeout S")),
+    (("--max-restarts", "1", "--spares", "bad/host:1"), ("--spares",)),
+])
+def test_restart_rules_misused_are_one_line_errors(args, needles):
+    line = one_line_error(dtrun("-H", "localhost:2", *args, "true", timeout=60), *needles)
+    assert "-H:" not in line

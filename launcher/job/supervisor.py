@@ -31,6 +31,8 @@ from launcher.job.kill import kill_session, send_signal
 from launcher.job.markers import new_marker_token
 from launcher.job.observer import JobObserver
 from launcher.job.pumps import STDOUT_BUFFER_MAX, OutputPumps, PumpHooks
+from launcher.job import stopsignals
+from launcher.job.stopsignals import STOP_SIGNALS
 from launcher.job.result import (SIGPIPE_EXIT, STOP_GRACE_S, JobResult, RankFailure, StopReason, StopState,
                                  exit_code_for, launcher_name, order_failures, root_cause)
 from launcher.remote.wire import MARKER_TOKEN_ENV
@@ -38,12 +40,6 @@ from launcher.remote.wire import MARKER_TOKEN_ENV
 __all__ = ["FAILURE_GRACE_S", "STOP_GRACE_S", "STOP_SIGNALS", "JobObserver", "JobSupervisor", "Limits",
            "StopReason", "StopState", "output_cut_short", "run_job"]
 
-# Every signal that terminates a process by default and can be caught: each stops the job.
-STOP_SIGNALS = tuple(s for s in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1,
-                                 signal.SIGUSR2, signal.SIGALRM, getattr(signal, "SIGVTALRM", None),
-                                 getattr(signal, "SIGPROF", None), getattr(signal, "SIGXCPU", None),
-                                 getattr(signal, "SIGXFSZ", None), getattr(signal, "SIGPWR", None),
-                                 getattr(signal, "SIGIO", None)) if s is not None)
 # After a rank's failure marker, mpirun gets this long to end the job by itself (Open MPI
 # does within a few seconds); then dtrun stops it (MPICH's Hydra lets the other ranks run on).
 FAILURE_GRACE_S = 3.0
@@ -60,6 +56,7 @@ class Limits:
     start_timeout: Optional[float] = None  # seconds until every rank's wrapper said it started
     expected: tuple = ()  # host name of each rank, to name the hosts whose ranks did not start
     failure_grace: float = FAILURE_GRACE_S  # seconds mpirun gets to end the job after a rank failed
+    timeout_limit: Optional[float] = None  # the user's --timeout, for the message (restarts share it)
 
 
 class JobSupervisor:
@@ -79,6 +76,7 @@ class JobSupervisor:
         self._first_failure: Optional[tuple[float, RankFailure]] = None  # (when it arrived, the failure)
         self._forced = False  # mpirun's session on this host had to be killed
         self._t0 = time.monotonic()
+        self._own_gate = False
 
     # -- stopping
     def stop(self, reason: StopReason, detail: str = "", *, signum: Optional[int] = None) -> None:
@@ -134,23 +132,33 @@ class JobSupervisor:
     def _stdout_gone(self) -> None:
         self.stop(StopReason.STDOUT_CLOSED)
 
-    def _on_signal(self, signum: int, _frame) -> None:
+    def _on_signal(self, signum: int) -> bool:
+        """A stop signal (through ``stopsignals``); True when an observer consumed it (no stop)."""
         if any(o.on_signal(signum) for o in self.observers):
-            return
+            return True
         self.stop(StopReason.SIGNAL, f"stopped by {signal_name(signum)}", signum=signum)
+        return False
+
+    def attach(self) -> None:
+        """Take every stop signal from now on, first those that reached dtrun since mpirun started."""
+        self._own_gate = not stopsignals.installed()  # a library caller: handlers for this job only
+        if self._own_gate:
+            stopsignals.install()
+        stopsignals.attach(self._on_signal)
 
     # -- the run
     def run(self, token: str = "") -> JobResult:
         """Follow the job to its end (the caller started ``proc``) and return its result."""
         pumps = OutputPumps(self.proc, self.observers, PumpHooks(self._rank_exited, self._rank_started,
                                                                  self._stdout_gone), token)
-        pumps.start()
-        for o in self.observers:
-            o.on_start(self)
-        old = _catch_stop_signals(self._on_signal)
-        # mpirun's end wakes the loop at once (no polling delay added to every job).
-        threading.Thread(target=self._reap, daemon=True).start()
+        if not stopsignals.attached():
+            self.attach()
         try:
+            pumps.start()
+            for o in self.observers:
+                o.on_start(self)
+            # mpirun's end wakes the loop at once (no polling delay added to every job).
+            threading.Thread(target=self._reap, daemon=True).start()
             self._supervise()
             try:
                 self.proc.wait(timeout=STOP_GRACE_S)
@@ -158,8 +166,9 @@ class JobSupervisor:
                 self._kill()
                 self.proc.wait()
         finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+            stopsignals.detach()
+            if self._own_gate:
+                stopsignals.uninstall()
         # Nothing of mpirun's session stays behind on this host (ssh clients, prterun helpers),
         # also after a normal end: a daemon's ssh client may linger while its host is silent.
         kill_session(self.proc.pid)
@@ -210,7 +219,7 @@ class JobSupervisor:
         if self.stop_state is not None:
             return
         if lim.timeout is not None and now - self._t0 > lim.timeout:
-            self.stop(StopReason.TIMEOUT, summary.timeout_message(lim.timeout))
+            self.stop(StopReason.TIMEOUT, summary.timeout_message(lim.timeout_limit or lim.timeout))
         elif self._waiting_for_ranks() and now - self._t0 > lim.start_timeout:
             self.stop(StopReason.START_TIMEOUT,
                       summary.not_started_message(lim.expected, self.started_ranks, lim.start_timeout))
@@ -305,19 +314,6 @@ def output_cut_short(job: JobSupervisor, eof_ranks: set, succeeded: bool) -> lis
     return sorted((r for r in wrote if r not in eof_ranks), key=lambda r: (len(r), r))
 
 
-def _catch_stop_signals(handler) -> dict:
-    """Install ``handler`` for every stop signal; returns the previous handlers."""
-    old = {}
-    for s in STOP_SIGNALS:
-        if s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN:
-            continue  # `nohup dtrun …`: a closed terminal must not stop the job
-        try:
-            old[s] = signal.signal(s, handler)
-        except (OSError, ValueError):
-            pass
-    return old
-
-
 def job_environment(env: Optional[dict], token: str) -> dict:
     """mpirun's environment: ``env`` (default: dtrun's own) with the job's marker token."""
     # The rank wrappers read this job's marker token from their environment: mpirun forwards it
@@ -344,11 +340,12 @@ def _grow_pipe(stream) -> None:
 def run_job(argv: Sequence[str], env: Optional[dict] = None, *, timeout: Optional[float] = None,
             start_timeout: Optional[float] = None, expected: Sequence[str] = (),
             observers: Sequence[JobObserver] = (), failure_grace: float = FAILURE_GRACE_S,
-            monitor=None) -> JobResult:
+            monitor=None, timeout_limit: Optional[float] = None) -> JobResult:
     """Run mpirun with ``argv`` and wait, handling signals and time limits. Never uses a shell.
 
     Args:
         timeout: seconds the whole job may take (None: no limit).
+        timeout_limit: the --timeout the message names, when ``timeout`` is what is left of it.
         start_timeout: seconds until every rank's wrapper must have said it started (None: no limit).
         expected: host name of each rank, to name the hosts whose ranks did not start.
         observers: hooks that follow the job (see JobObserver).
@@ -360,11 +357,16 @@ def run_job(argv: Sequence[str], env: Optional[dict] = None, *, timeout: Optiona
         observers = tuple(observers) + (monitor,)
     stdin = subprocess.DEVNULL if sys.stdin is None or sys.stdin.isatty() else None
     token = new_marker_token()
-    try:
-        proc = subprocess.Popen(list(argv), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=job_environment(env, token), start_new_session=True)
-    except OSError as exc:
-        raise LaunchError(f"cannot start {argv[0]}: {exc.strerror}") from None
-    _grow_pipe(proc.stdout)
-    limits = Limits(timeout, start_timeout, tuple(expected), failure_grace)
-    return JobSupervisor(proc, limits=limits, observers=observers).run(token)
+    limits = Limits(timeout, start_timeout, tuple(expected), failure_grace, timeout_limit)
+    # From just before mpirun exists until its supervisor takes the signals, a stop signal is
+    # recorded, then handed over: no moment where mpirun runs with nobody to stop it.
+    with stopsignals.held():
+        try:
+            proc = subprocess.Popen(list(argv), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    env=job_environment(env, token), start_new_session=True)
+        except OSError as exc:
+            raise LaunchError(f"cannot start {argv[0]}: {exc.strerror}") from None
+        _grow_pipe(proc.stdout)
+        job = JobSupervisor(proc, limits=limits, observers=observers)
+        job.attach()
+    return job.run(token)

@@ -1,0 +1,19 @@
+"""The ``dtrun`` console script: every stop signal is caught before anything else is imported.
+
+Importing the command line (typer, the launcher) takes a while; a signal in that time must
+end dtrun the same documented way as one a minute later (launcher.job.stopsignals).
+"""
+from __future__ import annotations
+
+import sys
+
+from launcher.job import stopsignals
+
+
+def main() -> None:
+    stopsignals.install()
+    try:
+        from launcher.cli import main as cli_main
+    except stopsignals.Stopped as exc:
+        sys.exit(stopsignals.exit_code(exc.signum))
+    cli_main()

@@ -1,0 +1,163 @@
+"""Every stop signal at every moment from dtrun's start to its exit stops everything it started.
+
+The moments that matter are the ones a person cannot hit by hand: a few milliseconds
+after dtrun starts (while it imports and parses), and 0-5 ms after mpirun exists (before
+dtrun's supervisor followed it), in the first attempt and in a restart. Each run is the
+installed ``dtrun`` with a real mpirun and real ranks; the test watches dtrun's children in
+/proc and sends the signal from outside, as `kill` or a scheduler would.
+"""
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.dtrun_helpers import DTRUN, REPO, finish, processes_with, user_env, wait_until_empty
+
+pytestmark = pytest.mark.mpi
+
+SLEEPER = ("import os, sys, time\nfrom mpi4py import MPI\n"
+           "if os.environ.get('FAIL_FIRST') and os.environ.get('DTRUN_RESTART_COUNT') == '0':\n"
+           "    sys.exit(3)\n"
+           "MPI.COMM_WORLD.Barrier()\nprint('up', flush=True)\ntime.sleep(120)\n")
+
+
+def _children_with(pid: int, token: str) -> set:
+    """The mpirun children of ``pid`` that carry ``token`` on their command line (the program's path)."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return set()
+    found = set()
+    for child in children:
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # dtrun's forked children carry dtrun's own command line until they exec
+        if os.path.basename(argv[0]).startswith((b"mpirun", b"prterun", b"mpiexec")) and \
+                any(token.encode() in a for a in argv):
+            found.add(child)
+    return found
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _mpirun_starts(proc, token: str, nth: int, timeout: float = 60.0) -> bool:
+    """Wait until dtrun has started its ``nth`` mpirun (1-based); False if dtrun ended first."""
+    seen: set = set()  # mpirun's pid stays when it execs prterun (Open MPI 5): count pids
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        seen |= _children_with(proc.pid, token)
+        if len(seen) >= nth:
+            return True
+    return False
+
+
+def _job_records(pid: int) -> list:
+    from launcher.jobstate import jobs_dir
+
+    d = jobs_dir()
+    return [p.name for p in d.iterdir() if f"-{pid}" in p.name] if d.is_dir() else []
+
+
+def _run_and_signal(tmp_path, sig, moment, delay_ms, extra=(), env_extra=None):
+    token = f"dtsig{os.getpid()}x{time.monotonic_ns()}"
+    script = tmp_path / f"{token}.py"
+    script.write_text(SLEEPER)
+    env = user_env(**(env_extra or {}))
+    proc = subprocess.Popen([DTRUN, "-np", "2", *extra, "python", str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, stdin=subprocess.DEVNULL)
+    try:
+        if moment == "dtrun":
+            _spin(delay_ms / 1000)
+        else:
+            nth = 2 if moment == "restart" else 1
+            assert _mpirun_starts(proc, token, nth), f"dtrun ended before mpirun #{nth}: {proc.communicate()}"
+            _spin(delay_ms / 1000)
+        proc.send_signal(sig)
+        rc, out, err = finish(proc, 40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    left = wait_until_empty(lambda: processes_with(token), timeout=10)
+    records = _job_records(proc.pid)
+    return rc, err, left, records
+
+
+MOMENTS = [("dtrun", 0), ("dtrun", 40), ("dtrun", 150), ("mpirun", 0), ("mpirun", 1), ("mpirun", 2),
+           ("mpirun", 5)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("moment, delay_ms", MOMENTS, ids=[f"{m}+{d}ms" for m, d in MOMENTS])
+def test_a_signal_at_any_moment_stops_everything_with_the_documented_code(tmp_path, sig, moment, delay_ms):
+    rc, err, left, records = _run_and_signal(tmp_path, sig, moment, delay_ms)
+    name = signal.Signals(sig).name
+    # Before Python has run a line of dtrun, the signal's own action ends it: a shell reports
+    # that as 128 + n too (and nothing has started yet).
+    died_early = moment == "dtrun" and rc == -int(sig)
+    assert rc == 128 + int(sig) or died_early, f"exit {rc}, expected {128 + int(sig)}: {err}"
+    assert "Traceback" not in err, err
+    if moment != "dtrun" or delay_ms > 100:
+        assert f"stopped by {name}" in err, err
+    assert left == [], f"left running after dtrun exited: {[p.info['cmdline'] for p in left]}\n{err}"
+    assert records == [], f"stale job records: {records}"
+
+
+RESTART_MOMENTS = [("mpirun", 0), ("mpirun", 2), ("restart", 0), ("restart", 1), ("restart", 3)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("moment, delay_ms", RESTART_MOMENTS, ids=[f"{m}+{d}ms" for m, d in RESTART_MOMENTS])
+def test_a_signal_at_any_moment_of_a_restarted_run_ends_the_run(tmp_path, sig, moment, delay_ms):
+    """With --max-restarts: a signal as an attempt's mpirun starts stops it and no attempt follows
+    ('restart': the second attempt, after the first failed by itself)."""
+    rc, err, left, records = _run_and_signal(tmp_path, sig, moment, delay_ms, ("--max-restarts", "3"),
+                                             {"FAIL_FIRST": "1"} if moment == "restart" else None)
+    name = signal.Signals(sig).name
+    assert rc == 128 + int(sig), f"exit {rc}, expected {128 + int(sig)}: {err}"
+    assert f"stopped by {name}" in err and "Traceback" not in err, err
+    assert "attempt 3 of 4" not in err, err
+    assert left == [], f"left running after dtrun exited: {[p.info['cmdline'] for p in left]}\n{err}"
+    assert records == [], f"stale job records: {records}"
+
+
+HOSTS_MOMENTS = [(signal.SIGTERM, 0), (signal.SIGINT, 1), (signal.SIGTERM, 3), (signal.SIGINT, 30),
+                 (signal.SIGTERM, 150)]
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("sig, delay_ms", HOSTS_MOMENTS,
+                         ids=[f"{signal.Signals(s).name}-mpirun+{d}ms" for s, d in HOSTS_MOMENTS])
+def test_a_signal_as_mpirun_starts_leaves_nothing_on_any_host(cluster3, tmp_path, sig, delay_ms):
+    """Across 3 namespace hosts, while mpirun is still starting its daemons over ssh."""
+    from tests.test_multihost import _job_procs, described, host_list
+
+    token = f"dtsighosts{os.getpid()}x{time.monotonic_ns()}"
+    script = tmp_path / f"{token}.py"
+    script.write_text(SLEEPER)
+    assert _job_procs(token, cluster3) == []
+    argv = [DTRUN, "--ssh-config", str(cluster3.ssh_config), "-H", host_list(cluster3, [1, 1, 1]),
+            "python", str(script)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=user_env(),
+                            cwd=REPO, stdin=subprocess.DEVNULL)
+    try:
+        assert _mpirun_starts(proc, token, 1), proc.communicate()
+        _spin(delay_ms / 1000)
+        proc.send_signal(sig)
+        rc, _, err = finish(proc, 40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 128 + int(sig), f"exit {rc}: {err}"
+    assert f"stopped by {signal.Signals(sig).name}" in err and "Traceback" not in err, err
+    left = wait_until_empty(lambda: _job_procs(token, cluster3), timeout=15)
+    assert left == [], described(left)
+    assert _job_records(proc.pid) == []
