@@ -26,7 +26,6 @@ Importing this module imports torch and, on first use, MPI.
 from __future__ import annotations
 
 import contextlib
-import pickle
 import queue
 import threading
 from dataclasses import dataclass
@@ -35,8 +34,11 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
+from . import checkpoint as _checkpoint
 from . import objects as _objects
 from ._queries import query
+from .checkpoint import CheckpointError  # noqa: F401 (collectives.dp.CheckpointError)
+from .checkpoint import to_cpu as _to_cpu
 from .errors import CollectiveError, MismatchError
 
 AVG, SUM = "avg", "sum"
@@ -172,16 +174,6 @@ def broadcast_parameters(params: Any, root: int = 0) -> None:
                 t.data.copy_(data)
 
 
-def _to_cpu(obj: Any) -> Any:
-    if torch.is_tensor(obj):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0) -> None:
     """Give every rank root's optimizer state (momentum buffers, Adam moments, step
     counts, learning rates), e.g. after root alone loaded a checkpoint."""
@@ -196,74 +188,27 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0) -
 def save_checkpoint(path: str, state: Any) -> None:
     """Write ``state`` to ``path`` from rank 0; every rank returns once it is on disk.
 
-    Atomic: rank 0 writes a temporary file beside ``path``, flushes it to disk and renames
-    it over ``path``, so a job killed mid-write (a lost host, ``--max-restarts``) leaves
-    the previous checkpoint whole. Tensors are saved with ``torch.save``. A failure on
-    rank 0 (a full disk) raises the same error on every rank instead of leaving the
-    others waiting. Collective.
+    Atomic and safe in a shared directory: rank 0 creates a temporary file of its own beside
+    ``path`` (an unpredictable name, mode 0600, never through a symbolic link), writes a
+    sha256 header and ``torch.save``'s bytes, flushes it to disk and renames it over
+    ``path``, so a job killed mid-write leaves the previous checkpoint whole. Any failure on
+    rank 0 (a full disk, an object that cannot be pickled) raises the same CheckpointError
+    (an OSError) on every rank. Collective.
     """
-    import os
-
-    ctx = _ctx("save_checkpoint")
-    error = None
-    if ctx.rank == 0:
-        path = os.fspath(path)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(_to_cpu(state), f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            _fsync_dir(os.path.dirname(os.path.abspath(path)))
-        except OSError as exc:
-            error = f"{path}: {exc.strerror or exc}"
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-    error = broadcast_object(error)
-    if error is not None:
-        raise OSError(f"save_checkpoint on rank 0: {error}")
+    _checkpoint.save(_ctx("save_checkpoint").comm, path, state, lock=_LOCK)
 
 
-def load_checkpoint(path: str) -> Any:
+def load_checkpoint(path: str, trusted: bool = False) -> Any:
     """The state last saved at ``path`` on every rank, or None when there is none (a first run).
 
     Rank 0 reads the file and sends it to the others, so it need not be on a file system
-    every host shares. Collective.
+    every host shares. The path must be a regular file (not a symbolic link) owned by this
+    user or root; its checksum is checked. Tensors, numbers, strings and plain containers
+    load (``torch.load(weights_only=True)``). ``trusted=True`` loads any pickled object, which
+    RUNS ARBITRARY CODE from the file: use it only for a file that only you can write. Any
+    failure raises the same CheckpointError (an OSError) on every rank. Collective.
     """
-    import os
-
-    ctx = _ctx("load_checkpoint")
-    answer = None
-    if ctx.rank == 0:
-        path = os.fspath(path)
-        try:
-            with open(path, "rb") as f:
-                answer = ("ok", torch.load(f, map_location="cpu", weights_only=False))
-        except FileNotFoundError:
-            answer = ("none", None)
-        except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as exc:
-            answer = ("error", f"{path}: {type(exc).__name__}: {exc}")
-    kind, value = broadcast_object(answer)
-    if kind == "error":
-        raise OSError(f"load_checkpoint on rank 0: {value}")
-    return value
-
-
-def _fsync_dir(directory: str) -> None:
-    """Make a rename durable (best effort: some file systems cannot open a directory)."""
-    import os
-
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    return _checkpoint.load(_ctx("load_checkpoint").comm, path, trusted=trusted, lock=_LOCK)
 
 
 # ---------------------------------------------------------------- metrics and data

@@ -19,9 +19,11 @@ Two runtimes, the same loop:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import pickle
+import secrets
 import signal
+import stat
 import sys
 import time
 
@@ -59,27 +61,47 @@ class Mpi4pyRuntime:
         return out
 
     def save(self, path: str, state) -> None:
+        """Rank 0 writes ``state`` (a step and plain numbers) as NumPy arrays: a format that
+        cannot carry code. The temporary file is created exclusively under an unpredictable
+        name (a shared directory may hold another user's planted links), synced, then renamed."""
         error = None
         if self.rank == 0:
-            tmp = f"{path}.tmp.{os.getpid()}"
+            tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
+                               f".{os.path.basename(path)}.tmp-{secrets.token_hex(8)}")
             try:
-                with open(tmp, "wb") as f:
-                    pickle.dump(state, f)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    np.savez(f, step=np.int64(state["step"]), w=np.asarray(state["w"], dtype=np.float64))
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, path)  # a job killed mid-write keeps the previous checkpoint
             except OSError as exc:
                 error = f"{path}: {exc}"
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
         error = self.comm.bcast(error, root=0)  # every rank returns once it is on disk
         if error:
             raise OSError(error)
 
     def load(self, path: str):
-        state = None
-        if self.rank == 0 and os.path.exists(path):
-            with open(path, "rb") as f:
-                state = pickle.load(f)
-        return self.comm.bcast(state, root=0)
+        """The state rank 0 reads (None for a first run); never follows a link, never unpickles."""
+        state, error = None, None
+        if self.rank == 0:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                with os.fdopen(fd, "rb") as f:
+                    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                        raise OSError(f"{path}: not a regular file")
+                    with np.load(f, allow_pickle=False) as z:
+                        state = {"step": int(z["step"]), "w": z["w"].tolist()}
+            except FileNotFoundError:
+                pass
+            except (OSError, ValueError, KeyError) as exc:
+                error = f"{path}: {exc}"
+        state, error = self.comm.bcast((state, error), root=0)
+        if error:
+            raise OSError(f"cannot load the checkpoint {error}")
+        return state
 
 
 class CollectivesRuntime:
