@@ -8,7 +8,9 @@ broadcast. Only one rank per host touches the link, so each host's link carries
 
 The host's other ranks wait for the leader's ring on a local socket, in the kernel: a
 rank spinning in a shared-memory wait would take the core that the kernel needs to move
-the link's packets.
+the link's packets. That socket's name is random but no secret (other users can list
+it): the leader admits only this user's processes (SO_PEERCRED) that send the token it
+shared over MPI, and a stranger's connection never takes a rank's place (``_Bell``).
 
 Chosen when the job has more than one host and CPU buckets. ``DTRUN_DP_TRANSPORT=mpi``
 keeps every bucket on the runtime's allreduce instead (MPI between hosts);
@@ -18,6 +20,7 @@ keeps every bucket on the runtime's allreduce instead (MPI between hosts);
 from __future__ import annotations
 
 import os
+import struct
 import sys
 from typing import Any, Callable
 
@@ -94,11 +97,13 @@ class HostExchange:
             finally:
                 sub.Free()
         self.bell: _Bell | None = None
-        if self.node is not None and not problem:
+        if self.node is not None:  # collective over the host, whether the ring is up or not
             try:
-                self.bell = _Bell(self.node.mpi, comm.rank)
-            except OSError as e:
-                problem = f"rank {comm.rank} could not reach its host's leader: {e}"
+                self.bell = _Bell(self.node.mpi, comm.rank, up=not problem)
+            except _NotOpened:
+                pass
+            except _NotReached as e:
+                problem = str(e)
         problems = [p for p in comm.mpi.allgather(problem) if p]
         if problems:
             for part in (self.ring, self.bell):
@@ -123,15 +128,20 @@ class HostExchange:
         if self.ring is None:
             return None
         finish = None if scale is None else (lambda x: self._scale(x, scale))
-        return self.ring.submit(flat, finish)
+        try:
+            return self.ring.submit(flat, finish)
+        except RingError as e:  # broken already: the host's others wait for the bell
+            if self.bell is not None:
+                self.bell.ring(ok=False, why=e.problem)
+            raise
 
     def wait(self, job: Any, flat: np.ndarray) -> None:
         if self.ring is not None:
             try:
                 self.ring.wait(job)
-            except RingError:
+            except RingError as e:
                 if self.bell is not None:
-                    self.bell.ring(ok=False)
+                    self.bell.ring(ok=False, why=e.problem)
                 raise
         if self.bell is not None and self.ring is not None:
             self.bell.ring(ok=True)
@@ -157,59 +167,137 @@ def open_exchange(comm: Any, add, scale, copy) -> HostExchange | None:
         return None
 
 
+_BELL_HELLO = struct.Struct("<16sI")  # the host's token, the sender's rank within the host
+
+
 class _Bell:
     """One byte from the host's leader to each of its other ranks when a bucket's ring is
-    done (``b"E"`` when it failed): they wait in ``recv``, in the kernel, not spinning.
-    Collective over ``node`` (the host's ranks; rank 0 is the leader). An abstract Unix
-    socket named by a random token; a connection must present the token."""
+    done (``b"E"`` and the error's text when it failed): they wait in ``recv``, in the
+    kernel, not spinning. Collective over ``node`` (the host's ranks; rank 0 is the
+    leader), which ``up`` says whether to open (the leader's ring is up).
 
-    def __init__(self, node: Any, rank: int) -> None:
+    The leader listens on an abstract Unix socket. Its name is random and no secret: any
+    local user can list it (/proc/net/unix) and connect. A connection is admitted only
+    from this user (SO_PEERCRED) with the token the leader sent over MPI and a rank of
+    the host not admitted yet; any other is dropped without holding up the real ones."""
+
+    def __init__(self, node: Any, rank: int, up: bool) -> None:
         import secrets
-        import socket
 
         self.rank = rank
-        token = node.bcast(secrets.token_hex(16) if node.Get_rank() == 0 else None, root=0)
-        name = f"\0dtrun-dp-{token}"
+        me, size = node.Get_rank(), node.Get_size()
+        self.ranks = node.allgather(rank)  # the host's ranks in the job, for messages
+        secret = (f"\0dtrun-dp-{secrets.token_hex(8)}", secrets.token_bytes(16)) \
+            if me == 0 and up else None
+        secret = node.bcast(secret, root=0)
+        if secret is None:  # the leader's ring failed: nothing to open
+            raise _NotOpened()
+        name, token = secret
         self.peers: list = []
         self.sock = None
-        if node.Get_rank() == 0:
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            listener.bind(name)
-            listener.listen(node.Get_size())
-            node.Barrier()  # listening: the others may connect
-            listener.settimeout(10)
+        if me == 0:
             try:
-                while len(self.peers) < node.Get_size() - 1:
-                    s, _ = listener.accept()
-                    s.settimeout(10)
-                    got = s.recv(32, socket.MSG_WAITALL)
-                    s.settimeout(None)
-                    if got == token.encode():
-                        self.peers.append(s)
-                    else:
-                        s.close()
-            finally:
-                listener.close()
+                self.peers = self._gather(node, name, token, size)
+            except OSError as e:
+                raise _NotReached(f"rank {rank}, its host's leader, could not listen for the "
+                                  f"host's other ranks: {e.strerror or e}") from None
         else:
-            node.Barrier()
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.settimeout(10)
-            self.sock.connect(name)
-            self.sock.sendall(token.encode())
-            self.sock.settimeout(None)
+            node.Barrier()  # the leader is listening
+            try:
+                self.sock = _reach(name, token, me)
+            except OSError as e:
+                raise _NotReached(f"rank {rank} could not reach its host's leader, rank "
+                                  f"{self.ranks[0]}: {e.strerror or e}") from None
 
-    def ring(self, ok: bool) -> None:
+    def _gather(self, node: Any, name: str, token: bytes, size: int) -> list:
+        import hmac
+        import socket
+
+        from .handshake import admit, same_user
+        from .streamring import CONNECT_TIMEOUT_S
+
+        def judge(s: socket.socket, hello: bytes) -> int | None:
+            their_token, who = _BELL_HELLO.unpack(hello)
+            return who if same_user(s) and hmac.compare_digest(their_token, token) else None
+
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            try:
+                listener.bind(name)
+                listener.listen(64)
+            finally:
+                node.Barrier()  # listening (or not: the others then fail to connect)
+            found = admit(listener, _BELL_HELLO.size, judge, set(range(1, size)),
+                          CONNECT_TIMEOUT_S)
+        finally:
+            listener.close()
+        missing = [self.ranks[i] for i in range(1, size) if i not in found]
+        if missing:
+            for s in found.values():
+                s.close()
+            who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+            raise _NotReached(f"{who} did not connect to {'their' if len(missing) > 1 else 'its'}"
+                              f" host's leader, rank {self.rank}, within "
+                              f"{CONNECT_TIMEOUT_S:.0f} s")
+        return [found[i] for i in range(1, size)]
+
+    def ring(self, ok: bool, why: str = "") -> None:
+        note = b"" if ok else why.encode()[:4000]
         for s in self.peers:
-            s.sendall(b"." if ok else b"E")
+            try:
+                s.sendall(b"." if ok else b"E" + struct.pack("<I", len(note)) + note)
+            except OSError:
+                pass  # that rank ended: the others still get their bell
 
     def listen(self) -> None:
-        got = self.sock.recv(1)
+        import socket
+
+        try:
+            got = self.sock.recv(1)
+            why = b""
+            if got == b"E":
+                head = self.sock.recv(4, socket.MSG_WAITALL)
+                why = self.sock.recv(struct.unpack("<I", head)[0], socket.MSG_WAITALL) \
+                    if len(head) == 4 else b""
+        except OSError as e:
+            got, why = b"", str(e.strerror or e).encode()
         if got != b".":
-            why = "failed" if got == b"E" else "ended"
-            raise RingError("allreduce", self.rank, f"the ring between hosts {why} on this "
-                            "host's leader (its local rank 0)")
+            leader = self.ranks[0]
+            text = why.decode(errors="replace") or \
+                f"its connection to this host's leader, rank {leader}, closed (it ended or failed)"
+            raise RingError("allreduce", self.rank, f"the ring between hosts failed on this "
+                            f"host's leader, rank {leader}: {text}")
 
     def close(self) -> None:
         for s in [*self.peers, self.sock]:
             if s is not None:
                 s.close()
+
+
+class _NotOpened(Exception):
+    """The leader's ring failed, so the bell was not opened (on every rank of the host)."""
+
+
+class _NotReached(Exception):
+    """A rank of the host could not reach its leader, or the leader missed one."""
+
+
+def _reach(name: str, token: bytes, me: int):
+    """A non-leader's connection to its host's leader (who must be this user too)."""
+    import socket
+
+    from .handshake import same_user
+    from .streamring import CONNECT_TIMEOUT_S
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(CONNECT_TIMEOUT_S)
+        sock.connect(name)
+        if not same_user(sock):
+            raise _NotReached(f"the socket {name[1:]!r} belongs to another user")
+        sock.sendall(_BELL_HELLO.pack(token, me))
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

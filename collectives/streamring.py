@@ -18,8 +18,12 @@ This ring keeps the link busy instead:
 Exactness: part k of a bucket is reduced along one chain of ranks and then copied to
 everyone, so every rank ends with the same bits.
 
-Connections are made once, checked by a random token sent over MPI, to the peer address
-that shares a subnet with this host (or the interface named in ``btl_tcp_if_include``).
+Connections are made once, to the peer address that shares a subnet with this host (or
+the interface named in ``btl_tcp_if_include``). The listener is open to anyone who can
+reach the port: a connection is admitted only with the random token that rank 0 sent
+over MPI (compared in constant time) and the expected rank; anything else, garbage or a
+silent connection included, is dropped without holding up the real peer
+(``handshake.admit``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .errors import CollectiveError, MismatchError
+from .handshake import admit
 
 CHUNK_BYTES = 512 * 1024
 CONNECT_TIMEOUT_S = 10.0
@@ -359,8 +364,10 @@ def _listen(ports: tuple[int, int] | None) -> tuple[socket.socket | None, str]:
     for port in candidates:
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
+            # a fixed port is free again at once after a job (its connections' TIME_WAIT)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("0.0.0.0", port))
-            s.listen(4)
+            s.listen(64)
             return s, ""
         except OSError:
             s.close()
@@ -383,31 +390,15 @@ def _dial(addrs: list[str], port: int, token: bytes, r: int) -> tuple[socket.soc
 def _accept(listener: socket.socket, token: bytes, left: int, box: dict,
             label: int | None = None) -> None:
     """Accept the previous rank's connection: the first that presents the ring's token
-    and the expected rank (anything else is closed and ignored)."""
-    import time
+    and the expected rank. Anything else (a stranger, garbage, a silent or slow hello) is
+    closed without holding up the others (``handshake.admit``)."""
+    def judge(s: socket.socket, hello: bytes) -> int | None:
+        their_token, their_rank = _HELLO.unpack(hello)
+        return their_rank if hmac.compare_digest(their_token, token) else None
 
-    deadline = time.monotonic() + CONNECT_TIMEOUT_S
-    while time.monotonic() < deadline:
-        listener.settimeout(max(0.05, deadline - time.monotonic()))
-        try:
-            s, _ = listener.accept()
-        except OSError:
-            break
-        try:
-            s.settimeout(2.0)
-            hello = bytearray(_HELLO.size)
-            view, got = memoryview(hello), 0
-            while got < len(hello):
-                k = s.recv_into(view[got:])
-                if k == 0:
-                    break
-                got += k
-            their_token, their_rank = _HELLO.unpack(hello) if got == len(hello) else (b"", -1)
-            if hmac.compare_digest(their_token, token) and their_rank == left:
-                box["sock"] = s
-                return
-        except OSError:
-            pass
-        s.close()
-    box["problem"] = (f"rank {left if label is None else label} did not connect within "
-                      f"{CONNECT_TIMEOUT_S:.0f} s")
+    found = admit(listener, _HELLO.size, judge, {left}, CONNECT_TIMEOUT_S)
+    if left in found:
+        box["sock"] = found[left]
+    else:
+        box["problem"] = (f"rank {left if label is None else label} did not connect within "
+                          f"{CONNECT_TIMEOUT_S:.0f} s")

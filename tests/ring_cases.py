@@ -13,12 +13,17 @@ Modes:
             rank 1 closes its connections instead of taking part: every other rank's
             ``wait`` raises RingError (the failure travels round the ring) instead of
             blocking
+  same-ports
+            two rings one after the other on the same fixed ports (RING_TEST_PORTS=LOW-HIGH,
+            one port per rank): the second listens at once, though the first one's
+            connections still hold those ports in TIME_WAIT
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 
 import numpy as np
@@ -93,8 +98,30 @@ def peer_closes(comm, ring: StreamRing) -> None:
         report(rank=comm.Get_rank(), error=str(e))
 
 
+def same_ports(comm) -> None:
+    low, high = map(int, os.environ["RING_TEST_PORTS"].split("-"))
+    rounds = []
+    for _ in range(2):
+        try:
+            ring = StreamRing(comm.Dup(), ports=(low, high))
+            x = np.ones(1000, np.float32)
+            ring.wait(ring.submit(x))
+            rounds.append(float(x[0]))
+            for closing in range(comm.Get_size()):  # rank 0 first: its ports in TIME_WAIT
+                if closing == comm.Get_rank():
+                    ring.close()
+                comm.Barrier()
+        except RingError as e:
+            rounds.append(str(e))
+        comm.Barrier()
+    report(rank=comm.Get_rank(), rounds=rounds)
+
+
 def main(mode: str) -> None:
     comm = MPI.COMM_WORLD
+    if mode == "same-ports":
+        same_ports(comm)
+        return
     ring = StreamRing(comm.Dup(), chunk_bytes=64 * 1024)
     {"exact": exact, "mismatch": mismatch, "peer-closes": peer_closes}[mode](comm, ring)
 

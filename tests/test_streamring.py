@@ -10,6 +10,7 @@ import re
 import socket
 import sys
 import threading
+import time
 
 import pytest
 
@@ -20,9 +21,10 @@ PYTHON = sys.executable
 CASES = str(REPO / "tests" / "ring_cases.py")
 
 
-def _results(n: int, mode: str) -> list[dict]:
-    p = dtrun("-np", n, "-H", f"localhost:{n}", "--oversubscribe", PYTHON, CASES, mode,
-              timeout=120)
+def _results(n: int, mode: str, *forward: str) -> list[dict]:
+    forwards = [x for name in forward for x in ("-x", name)]
+    p = dtrun("-np", n, "-H", f"localhost:{n}", "--oversubscribe", *forwards, PYTHON, CASES,
+              mode, timeout=120)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     found = [json.loads(line[line.find("RESULT ") + 7:]) for line in p.stdout.splitlines()
              if "RESULT {" in line]
@@ -73,6 +75,30 @@ def test_a_rank_that_leaves_fails_the_others_instead_of_hanging():
     assert any("rank 1" in res[r]["error"] for r in (0, 2)), res
 
 
+def _free_port_pair() -> int:
+    import random
+
+    for _ in range(200):
+        low = random.randrange(47400, 47900)
+        try:
+            for port in (low, low + 1):
+                with socket.socket() as s:
+                    s.bind(("0.0.0.0", port))
+            return low
+        except OSError:
+            continue
+    pytest.skip("no two free ports in a row in 47400-47900")
+
+
+@pytest.mark.mpi
+def test_fixed_ports_are_free_again_at_once_for_the_next_ring():
+    # DTRUN_DP_RING_PORTS with one port per rank: the next job (here the next ring) must
+    # listen on them again at once, while the last one's connections are in TIME_WAIT.
+    low = _free_port_pair()
+    res = _results(2, "same-ports", f"RING_TEST_PORTS={low}-{low + 1}")
+    assert [r["rounds"] for r in res] == [[2.0, 2.0], [2.0, 2.0]], res
+
+
 def test_the_listener_admits_only_the_token_and_rank_it_expects():
     token = b"k" * 16
     listener = socket.socket()
@@ -82,16 +108,18 @@ def test_the_listener_admits_only_the_token_and_rank_it_expects():
     box: dict = {}
     t = threading.Thread(target=streamring._accept, args=(listener, token, 3, box))
     t.start()
-    strangers = []
+    strangers = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]  # silent
     for hello in (b"GET / HTTP/1.0\r\n\r\n", streamring._HELLO.pack(b"x" * 16, 3),
-                  streamring._HELLO.pack(token, 2)):  # no token, wrong token, wrong rank
-        s = socket.create_connection(("127.0.0.1", port))
+                  streamring._HELLO.pack(token, 2), b"\0"):  # no token, wrong token,
+        s = socket.create_connection(("127.0.0.1", port))  # wrong rank, a slow start
         s.sendall(hello)
         strangers.append(s)
+    began = time.monotonic()
     good = socket.create_connection(("127.0.0.1", port))
     good.sendall(streamring._HELLO.pack(token, 3))
     t.join(15)
     assert "sock" in box, box
+    assert time.monotonic() - began < 1.0  # the silent and the slow did not hold it up
     accepted = box["sock"]
     good.sendall(b"ping")
     assert accepted.recv(4) == b"ping"  # the one admitted is the one with the token
