@@ -234,3 +234,15 @@ def test_a_failure_seen_again_after_another_is_not_restarted_again():
 def test_restart_rules_misused_are_one_line_errors(args, needles):
     line = one_line_error(dtrun("-H", "localhost:2", *args, "true", timeout=60), *needles)
     assert "-H:" not in line
+
+
+def test_a_rank_open_mpi_reports_killed_is_not_called_an_abort():
+    """Open MPI's "process rank 1 with PID … on node h2 exited on signal 9" is a kill, not an
+    MPI_Abort: the summary must not say "rank 1 aborted the job"."""
+    from launcher.job.parsers import fallback_failure
+
+    killed = fallback_failure("prterun noticed that process rank 1 with PID 4242 on node h2 exited on "
+                              "signal 9 (Killed).\n")
+    assert (killed.rank, killed.host, killed.signum, killed.code) == ("1", "h2", 9, None)
+    aborted = fallback_failure('prterun has exited due to process rank 1 with PID 0 on node h2 calling\n"abort".\n')
+    assert (aborted.rank, aborted.host, aborted.signum) == ("1", "h2", None)

@@ -49,6 +49,8 @@ class OutputPumps:
         self.throttled = False
         self._cond = threading.Condition()
         self._eof = False
+        self._ends_lock = threading.Lock()
+        self._last = {"stdout": b"\n", "stderr": b"\n", "either": b"\n"}  # the last byte passed on to each
         self.threads = [threading.Thread(target=self._read_stdout, daemon=True),
                         threading.Thread(target=self._write_stdout, daemon=True),
                         threading.Thread(target=self._read_stderr, daemon=True)]
@@ -64,6 +66,30 @@ class OutputPumps:
         for t in (self.threads[0], self.threads[2]):
             t.join(max(0.0, deadline - time.monotonic()))
         self.threads[1].join(None if drain else max(1.0, deadline - time.monotonic()))
+        if not any(t.is_alive() for t in self.threads):
+            self._end_line()
+
+    def _passed(self, stream: str, data: bytes) -> None:
+        if data:
+            with self._ends_lock:
+                self._last[stream] = self._last["either"] = data[-1:]
+
+    def _end_line(self) -> None:
+        """End the line mpirun's output left open, so that dtrun's own lines (on stderr) start on
+        a fresh one: one its stderr left open, or its stdout when both go to the same place."""
+        with self._ends_lock:
+            last = self._last["either"] if _same_file(sys.stdout, sys.stderr) else self._last["stderr"]
+        if last == b"\n":
+            return
+        try:
+            if hasattr(sys.stderr, "buffer"):
+                sys.stderr.buffer.write(b"\n")
+                sys.stderr.buffer.flush()
+            else:
+                sys.stderr.write("\n")
+                sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
 
     def _notify(self, stream: str, data: bytes) -> None:
         for o in self.observers:
@@ -134,22 +160,29 @@ class OutputPumps:
                 else:
                     sys.stdout.write(data.decode("utf-8", "replace"))
                     sys.stdout.flush()
+                self._passed("stdout", data)
             except (BrokenPipeError, OSError, ValueError):
                 broken = True
                 self.hooks.on_stdout_closed()
 
     def _read_stderr(self) -> None:
         out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+        own = parsers.LauncherStderr()  # mpirun's own lines lose their control bytes, ranks' pass as they are
         for raw in iter(self.proc.stderr.readline, b""):
             line = raw.decode("utf-8", "replace")
             started = parse_start_marker(line, self.token)
             if started is not None:
+                own.saw_start_marker(raw)
                 self.hooks.on_start_marker(*started)
                 continue
             failure = parse_marker(line, self.token)
             if failure is not None:
                 self.hooks.on_marker(failure)
                 continue
+            raw = own.clean(raw)
+            if not raw:
+                continue
+            line = raw.decode("utf-8", "replace")
             self.stderr_tail.append(line)
             if parsers.is_report_line(line):
                 self.ompi_report.append(line)
@@ -160,6 +193,7 @@ class OutputPumps:
                     out.flush()
                 else:
                     sys.stderr.write(line)
+                self._passed("stderr", raw)
             except (OSError, ValueError):
                 pass
 
@@ -173,3 +207,12 @@ class OutputPumps:
     def stderr_text(self) -> str:
         """The last lines of mpirun's stderr that were not markers."""
         return "".join(self.stderr_tail)
+
+
+def _same_file(a, b) -> bool:
+    """Whether two streams write to the same file, pipe or terminal (``2>&1``, both on a terminal)."""
+    try:
+        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (AttributeError, OSError, ValueError):
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)

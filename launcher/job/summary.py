@@ -9,6 +9,7 @@ import signal
 from typing import Optional, Sequence
 
 from launcher.errors import ExitCode, signal_name
+from launcher.job import parsers
 from launcher.job.result import STOP_GRACE_S, JobResult, RankFailure, root_cause
 
 # Ranks named one by one in a note before "and N more".
@@ -63,7 +64,12 @@ def throttled_note(launcher: str, buffer_max: int) -> str:
 
 def failure_summary(result: JobResult, log_dir: Optional[str] = None, on_hang: str = "abort") -> str:
     """One summary line and a short table like torchrun's, for a failed job (``on_hang``: the
-    --on-hang mode that stopped a hung job)."""
+    --on-hang mode that stopped a hung job). Plain text: the host and program names in it come
+    from mpirun's output and the ranks' markers, and no control character of theirs goes out."""
+    return parsers.plain_text(_summary_text(result, log_dir, on_hang))
+
+
+def _summary_text(result: JobResult, log_dir: Optional[str], on_hang: str) -> str:
     lines = [f"dtrun: warning: {n}" for n in result.notes]
     if result.returncode == 0:
         return "\n".join(lines)

@@ -259,7 +259,7 @@ class JobSupervisor:
             launcher=launcher, stop=stop)
         if mpirun_rc != 0 and root_cause(failures) is None and not lost and signum is None and timed_out is None:
             result.vanished = self._vanished(pumps)
-        missing = output_cut_short(self, pumps.eof_ranks, mpirun_rc == 0 and stop is None)
+        missing = output_cut_short(self, pumps.eof_ranks, mpirun_rc == 0 and stop is None and not lost)
         if missing:
             result.notes.append(summary.cut_short_note(missing, self.started_ranks))
         if pumps.throttled:
@@ -304,8 +304,10 @@ class JobSupervisor:
 def output_cut_short(job: JobSupervisor, eof_ranks: set, succeeded: bool) -> list[str]:
     """Ranks whose wrapper wrote its end-of-output line that never arrived.
 
-    After a clean end every started rank wrote it; after a failure, every rank whose exit
-    marker arrived did (it is written just before that marker).
+    After a clean end (``succeeded``) every started rank wrote it; after a failure, every rank
+    whose exit marker arrived did (it is written just before that marker). mpirun's exit code 0
+    alone is no clean end: Open MPI 5 exits 0 after losing a daemon, when the ranks were killed
+    before their wrappers wrote anything (and those of the lost host with it).
     """
     if succeeded:
         wrote = set(job.started_ranks)
