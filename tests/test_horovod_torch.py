@@ -11,12 +11,13 @@ import sys
 
 import pytest
 
-from tests.dtrun_helpers import REPO, user_env
+from tests.dtrun_helpers import DTRUN, REPO, user_env
 from tests.horovod_common import (ADASUM, assert_trained_alike, driver_tests, example_line,
-                                   load_ranks, mismatch)
+                                   load_ranks, mismatch, results)
 
 PYTHON = sys.executable
 CASES = str(REPO / "tests" / "horovod_torch_cases.py")
+SHUTDOWN_CASES = str(REPO / "tests" / "horovod_shutdown_cases.py")
 
 
 def _check(found: list[dict], out, n: int) -> None:
@@ -58,6 +59,96 @@ def _check_two_hosts(found: list[dict]) -> None:
 
 test_horovod_torch_ranks, test_horovod_torch_two_hosts = driver_tests(
     CASES, _check, 300, _check_two_hosts)
+
+
+# ----------------------------------------------------------------------------- shutdown
+def _two_ranks(case: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """tests/horovod_shutdown_cases.py CASE on 2 ranks. A job still running after
+    ``timeout`` seconds hung: dtrun is stopped with SIGTERM (it stops its ranks) and the
+    test fails."""
+    argv = [DTRUN, "-np", "2", "-H", "localhost:2", "--oversubscribe", PYTHON, SHUTDOWN_CASES,
+            case]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=user_env(), cwd=REPO, stdin=subprocess.DEVNULL)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        pytest.fail(f"{case}: the job hung ({timeout} s): {out[-2000:]} {err[-2000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _shut_down(got, kind: str, name: str) -> None:
+    assert got[0] == "HorovodInternalError", got
+    assert got[1].startswith(f"{kind} on rank 0: Horovod has been shut down: rank 1 shut down "), got
+    assert f"without running {name!r}" in got[1], got
+
+
+@pytest.mark.mpi
+def test_peer_shutdown_fails_waiting_and_later_collectives():
+    # Rank 1 shuts down while rank 0 waits in an allreduce: Horovod's "has been shut
+    # down" on rank 0, at once, for that and every later collective; after its own
+    # shutdown, Horovod's "not initialized".
+    res = results(_two_ranks("shutdown"), 2)[0]
+    _shut_down(res["allreduce"], "allreduce", "allreduce.noname.0")
+    assert res["waited"] < 30
+    _shut_down(res["later allreduce"], "allreduce", "later")
+    _shut_down(res["barrier"], "barrier", "barrier.noname.0")
+    _shut_down(res["broadcast_object"], "broadcast_object", "broadcast_object.noname.0")
+    assert res["own shutdown"] == ["ValueError", "allreduce: Horovod has not been initialized; "
+                                   "use hvd.init()."]
+
+
+@pytest.mark.mpi
+def test_poll_returns_when_the_peer_program_ended():
+    # Rank 1's program ends without hvd.shutdown() (Horovod shuts down at exit) while
+    # rank 0 spins on poll(): poll returns True, synchronize raises.
+    res = results(_two_ranks("exit"), 2)[0]
+    assert res["waited"] < 30
+    _shut_down(res["synchronize"], "allreduce", "allreduce.noname.0")
+
+
+@pytest.mark.mpi
+def test_peer_dying_without_finalize_ends_the_job_naming_it():
+    # Rank 1 ends without shutdown or MPI_Finalize while rank 0 spins on poll(): the
+    # launcher stops the job, naming rank 1.
+    proc = _two_ranks("die")
+    assert proc.returncode != 0
+    assert "dtrun: job failed: rank 1 " in proc.stderr, proc.stderr[-3000:]
+    assert "RESULT" not in proc.stdout
+
+
+@pytest.mark.mpi
+def test_a_shutdown_fails_only_what_the_leaving_rank_took_no_part_in():
+    # The announcement tells how far the leaving rank got: a rank still inside (or
+    # behind) a negotiation the other took part in finishes it; only the next fails.
+    r0, r1 = results(_two_ranks("late_news"), 2)
+    assert r0["allreduce"] is None and r1["allreduce"] is None
+    got = r1["later allreduce"]
+    assert got[0] == "HorovodInternalError", got
+    assert got[1].startswith("allreduce on rank 1: Horovod has been shut down: rank 0 "), got
+    assert "without running 'later'" in got[1], got
+
+
+@pytest.mark.mpi
+def test_a_list_where_another_rank_passes_a_tensor_fails_on_every_rank():
+    r0, r1 = results(_two_ranks("not_a_tensor"), 2)
+    assert r1["allreduce"] == [
+        "TypeError", "allreduce on rank 1: expected a torch.Tensor, got list (submitted as "
+        "'allreduce.noname.0': the other ranks get a mismatch error)"]
+    assert r0["allreduce"] == [
+        "HorovodMismatchError",
+        "allreduce on rank 0: allreduce 'allreduce.noname.0' is list on rank 1, not a tensor"]
+    assert r1["grouped_allreduce"][0] == "TypeError"
+    assert r0["grouped_allreduce"] == [
+        "HorovodMismatchError", "grouped_allreduce on rank 0: grouped_allreduce "
+        "'grouped_allreduce.noname.0' tensor 1 is list on rank 1, not a tensor"]
+    assert r0["after"] == r1["after"] == [1.0, 1.0]  # still in step
 
 
 # ----------------------------------------------------------------------------- pure parts

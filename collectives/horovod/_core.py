@@ -11,13 +11,17 @@ runs negotiation rounds: every rank that is waiting exchanges the list of names 
 queued (one small allgather on a private duplicate of the world communicator), and each
 name queued on every rank runs, in the order the lowest-numbered rank queued them, on
 the runtime's collectives. A round where no name is ready and every rank is blocked is a
-deadlock: it raises on every rank, naming what each waits for.
+deadlock: it raises on every rank, naming what each waits for. A rank that shuts down
+(``shutdown()``, or the end of its program) tells the others (``_farewell.py``): their
+pending and later collectives fail with Horovod's "Horovod has been shut down", naming it.
 
 Standard library and NumPy only at import; MPI starts in ``init()``.
 """
 
 from __future__ import annotations
 
+import atexit
+import pickle
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -27,6 +31,12 @@ import numpy as np
 from .. import objects as _objects
 from .._queries import query
 from ..errors import CollectiveError, MismatchError
+from ._arrays import OP_NAMES as _OP_NAMES
+from ._arrays import OPS as _OPS
+from ._arrays import (Average, Max, Min, Product, Sum, _is_bf16, bits,  # noqa: F401 (re-exported)
+                      neutral, np_allgather, np_allreduce, np_alltoall, np_reducescatter,
+                      split_rows)
+from ._farewell import Farewells
 
 # The framework-neutral API: each framework module re-exports it (``from .._core import *``).
 __all__ = [
@@ -37,10 +47,6 @@ __all__ = [
     "ddl_built", "ccl_built", "rocm_built", "barrier",
 ]
 
-# Horovod's reduction ops, as collectives.Comm spells them.
-Average, Sum, Min, Max, Product = "avg", "sum", "min", "max", "prod"
-_OPS = (Average, Sum, Min, Max, Product)
-_OP_NAMES = {Average: "Average", Sum: "Sum", Min: "Min", Max: "Max", Product: "Product"}
 
 
 class HorovodInternalError(CollectiveError, RuntimeError):
@@ -134,9 +140,11 @@ class Job:
     cross_rank: int
     cross_size: int
     engine: "Engine" = field(repr=False, default=None)
+    farewells: Any = field(repr=False, default=None)  # _farewell.Farewells
 
 
 _JOB: Job | None = None
+_AT_EXIT: list = []  # shutdown() registered with atexit (once), as Horovod's init does
 
 
 def init(comm: Any = None, lock: Any = None) -> Job:
@@ -153,6 +161,9 @@ def init(comm: Any = None, lock: Any = None) -> Job:
     _JOB = Job(comm, neg, comm.rank, comm.size, comm.local_rank, comm.local_size,
                comm.node, comm.nnodes)
     _JOB.engine = Engine(_JOB, lock)
+    _JOB.farewells = Farewells(comm.mpi)
+    if not _AT_EXIT:
+        _AT_EXIT.append(atexit.register(shutdown))
     return _JOB
 
 
@@ -167,11 +178,14 @@ def is_initialized() -> bool:
 
 
 def shutdown() -> None:
-    """Forget the job (MPI stays up until the process exits, as mpi4py finalizes it)."""
+    """Leave the job: tell the other ranks (their pending and later collectives fail with
+    "Horovod has been shut down"), fail this rank's pending ones, forget the job. MPI
+    stays up until the process exits. Runs at exit too, as Horovod's."""
     global _JOB
     if _JOB is not None:
-        _JOB.engine.pending.clear()
-        _JOB = None
+        j, _JOB = _JOB, None
+        j.farewells.announce(j.rank, j.engine.exchanges)
+        j.engine.fail_pending("this rank shut down (hvd.shutdown()) before it ran")
 
 
 def mpi_threads_supported() -> bool:
@@ -238,7 +252,7 @@ def barrier(process_set: Any = global_process_set) -> None:
     """Wait until every rank gets here."""
     check_process_set(process_set, "barrier")
     j = job("barrier")
-    j.engine._locked(j.comm.barrier)
+    j.engine.run("barrier", None, j.comm.barrier)
 
 
 # ----------------------------------------------------------------------------- requests
@@ -246,7 +260,7 @@ def barrier(process_set: Any = global_process_set) -> None:
 class Request:
     """One queued collective: what every rank compares, and how to run it."""
 
-    kind: str            # allreduce, allgather, broadcast, alltoall, reducescatter, grouped_allreduce
+    kind: str            # allreduce, allgather, broadcast, ..., barrier, broadcast_object
     name: str
     shapes: tuple        # one shape per tensor (grouped: several)
     dtypes: tuple
@@ -276,6 +290,9 @@ class Handle:
 
 
 _VARIABLE_FIRST_DIM = ("allgather", "alltoall")
+# The dtype a rank submits for an argument that is not a tensor ("<not a tensor>list"): the
+# name still runs its negotiation, so every rank gets the mismatch error instead of waiting.
+NOT_A_TENSOR = "<not a tensor>"
 
 
 def compare(name: str, sigs: list[tuple[int, tuple]]) -> str | None:
@@ -283,6 +300,12 @@ def compare(name: str, sigs: list[tuple[int, tuple]]) -> str | None:
     ``sigs``: (rank, signature) for every rank that submitted it."""
     r0, ref = sigs[0]
     kind = ref[0]
+    for r, sig in sigs:
+        for i, dt in enumerate(sig[2]):
+            if dt.startswith(NOT_A_TENSOR):
+                what = f" tensor {i}" if len(sig[2]) > 1 else ""
+                return (f"{kind} {name!r}{what} is {dt[len(NOT_A_TENSOR):]} on rank {r}, not a "
+                        "tensor")
     for r, sig in sigs[1:]:
         if sig[0] != kind:
             return f"{name!r} is {sig[0]} on rank {r} but {kind} on rank {r0}"
@@ -320,6 +343,8 @@ class Engine:
         self.pending: dict[str, Request] = {}  # insertion order = submission order
         self.counters: dict[str, int] = {}
         self.joined = False
+        self.in_flight: tuple | None = None  # the buffers of the negotiation under way
+        self.exchanges = 0  # negotiation exchanges started (the same count on every rank)
 
     def name(self, kind: str, name: str | None) -> str:
         if name is not None:
@@ -333,6 +358,8 @@ class Engine:
             return self._submit(req)
 
     def _submit(self, req: Request) -> Handle:
+        if self.job.farewells.check(self.exchanges) is not None:
+            raise self.shut_down_error(req.kind, req.name)
         if req.name in self.pending:
             raise CollectiveError(req.kind, self.job.rank,
                                   f"a collective named {req.name!r} is already pending on this "
@@ -341,13 +368,62 @@ class Engine:
         return Handle(req)
 
     # -- rounds
+    def run(self, kind: str, name: str | None, fn: Callable[[], Any], root: int = -1) -> Any:
+        """``fn``, a collective with no tensor to compare (barrier, the object
+        collectives), run as a named request: matched, and failed, like the others."""
+        req = Request(kind, self.name(kind, name), (), (), "", root, fn)
+        return self.synchronize(self.submit(req))
+
+    def shut_down_error(self, kind: str, name: str) -> HorovodInternalError:
+        """Horovod's error for a collective that cannot run: a rank shut down."""
+        r = self.job.farewells.gone
+        return HorovodInternalError(
+            kind, self.job.rank,
+            f"Horovod has been shut down: rank {r} shut down (hvd.shutdown(), or its program "
+            f"ended) without running {name!r}. This was caused by an exception on rank {r} or "
+            f"an attempt to run a collective after rank {r} finished execution; see rank "
+            f"{r}'s output")
+
+    def fail_pending(self, why: str | None = None) -> None:
+        """Every pending request fails: a rank shut down (``why``: this one did)."""
+        for name, req in self.pending.items():
+            req.error = (HorovodInternalError(req.kind, self.job.rank,
+                                              f"Horovod has been shut down: {why}")
+                         if why else self.shut_down_error(req.kind, name))
+            req.done = True
+        self.pending.clear()
+
+    def _exchange(self, mine: Any) -> list | None:
+        """Every rank's ``mine``, in rank order: an allgather on the negotiation
+        communicator that also watches for a rank's shutdown (then None)."""
+        from .._mpi import MPI
+        neg, fw = self.job.neg, self.job.farewells
+        data = np.frombuffer(pickle.dumps(mine, pickle.HIGHEST_PROTOCOL), np.uint8)
+        mine_n, counts = np.array([data.size], np.int64), np.zeros(self.job.size, np.int64)
+        self.in_flight = (data, mine_n, counts)  # MPI's until the request completes
+        self.exchanges += 1
+        if fw.wait(neg.Iallgather(mine_n, counts), self.exchanges - 1) is not None:
+            return None
+        buf = np.empty(int(counts.sum()), np.uint8)
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        self.in_flight = (data, buf)
+        self.exchanges += 1
+        if fw.wait(neg.Iallgatherv(data, [buf, counts.tolist(), displs, MPI.BYTE]),
+                   self.exchanges - 1) is not None:
+            return None
+        self.in_flight = None
+        return [pickle.loads(buf[d:d + c].tobytes()) for d, c in zip(displs, counts)]
+
     def _round(self, blocking: bool) -> bool:
         """One negotiation round with every other rank; runs what every rank submitted.
-        Returns True once every rank has joined."""
+        Returns True once every rank has joined. A rank's shutdown fails what is pending."""
         job_ = self.job
         mine = [] if self.joined else [(n, r.signature()) for n, r in self.pending.items()]
-        tables = job_.neg.allgather((self.joined, blocking, mine,
-                                     self.counters if self.joined else None))
+        tables = self._exchange((self.joined, blocking, mine,
+                                 self.counters if self.joined else None))
+        if tables is None:
+            self.fail_pending()
+            return False
         active = [i for i, t in enumerate(tables) if not t[0]]
         if not active:
             self._all_joined = [t[0] for t in tables]
@@ -430,6 +506,8 @@ class Engine:
             while True:
                 rounds += 1
                 self.joined = rounds  # rounds spent joined: the last to join has the fewest
+                if self.job.farewells.gone is not None:
+                    raise self.shut_down_error("join", "join")
                 if self._round(blocking=True):
                     counts = self._all_joined
                     fewest = min(counts)
@@ -438,19 +516,6 @@ class Engine:
             self.joined = False
             self.mutex.release()
 
-
-def neutral(dtype: np.dtype, op: str):
-    """The value that leaves a reduction unchanged (what a joined rank contributes)."""
-    if op in (Sum, Average):
-        return 0
-    if op == Product:
-        return 1
-    if dtype.kind == "f":
-        return np.inf if op == Min else -np.inf
-    if dtype.kind in "iu":
-        info = np.iinfo(dtype)
-        return info.max if op == Min else info.min
-    return 0
 
 
 def stand_in(comm: Any, kind: str, shapes: tuple, dtypes: tuple, op: str, root: int) -> None:
@@ -469,124 +534,18 @@ def stand_in(comm: Any, kind: str, shapes: tuple, dtypes: tuple, op: str, root: 
 
 
 # ----------------------------------------------------------------------------- objects
-def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
     """Root's picklable ``obj`` on every rank."""
-    job_ = job("broadcast_object")
-    return _objects.broadcast_object(job_.comm, obj, root_rank, lock=job_.engine.lock)
+    j = job("broadcast_object")
+    if not 0 <= int(root_rank) < j.size:
+        raise ValueError(f"broadcast_object: root_rank {root_rank} is not a rank of this job "
+                         f"(0..{j.size - 1})")
+    return j.engine.run("broadcast_object", name, lambda: _objects.broadcast_object(
+        j.comm, obj, int(root_rank)), root=int(root_rank))
 
 
-def allgather_object(obj: Any) -> list:
+def allgather_object(obj: Any, name: str | None = None) -> list:
     """Every rank's picklable ``obj``, in rank order, on every rank."""
-    job_ = job("allgather_object")
-    return _objects.allgather_objects(job_.comm, obj, lock=job_.engine.lock)
-
-
-# ----------------------------------------------------------------------------- NumPy ops
-def split_rows(n: int, size: int) -> list[int]:
-    """Horovod's split of ``n`` rows over ``size`` ranks: the first n % size get one more."""
-    return [n // size + (1 if r < n % size else 0) for r in range(size)]
-
-
-def np_allreduce(comm: Any, x: np.ndarray, op: str, prescale: float = 1.0,
-                 postscale: float = 1.0, inplace: bool = False) -> np.ndarray:
-    """Horovod's allreduce on a NumPy array: prescale, reduce, postscale. An integer
-    average is a sum divided by the size, truncated (Horovod's integer scaling)."""
-    if _is_bf16(x):
-        # Reduced in float32 and rounded once: the runtime cannot hand ml_dtypes'
-        # bfloat16 arrays to MPI (mpi4py refuses their buffer format).
-        from ..dtypes import from_float64, to_float64
-        y = np_allreduce(comm, to_float64(x).astype(np.float32), op, prescale, postscale,
-                         inplace=True)
-        y = from_float64(y.astype(np.float64), x.dtype)
-        if inplace:
-            x[...] = y
-            return x
-        return y
-    y = x if inplace else x.copy()
-    if prescale != 1.0:
-        _scale(y, prescale)
-    if op == Average and y.dtype.kind in "iub":
-        comm.allreduce(y, op=Sum, inplace=True)
-        _scale(y, 1.0 / comm.size)
-    else:
-        comm.allreduce(y, op=op, inplace=True)
-    if postscale != 1.0:
-        _scale(y, postscale)
-    return y
-
-
-def _is_bf16(x: np.ndarray) -> bool:
-    from ..dtypes import BFLOAT16
-    return x.dtype == BFLOAT16
-
-
-def bits(x: np.ndarray) -> np.ndarray:
-    """``x`` as plain 16-bit integers when it is bfloat16 (for the collectives that move
-    data without arithmetic), else ``x``."""
-    return x.view(np.int16) if _is_bf16(x) else x
-
-
-def _scale(y: np.ndarray, factor: float) -> None:
-    if y.dtype.kind in "fc":
-        np.multiply(y, y.dtype.type(factor), out=y)
-    else:
-        y[...] = np.trunc(y * factor).astype(y.dtype)
-
-
-def np_allgather(comm: Any, x: np.ndarray) -> np.ndarray:
-    """Concatenation along the first dimension; its length may differ per rank."""
-    if x.ndim == 0:
-        x = x.reshape(1)
-    x = np.ascontiguousarray(x)
-    return comm.allgatherv(bits(x)).view(x.dtype)
-
-
-def np_alltoall(comm: Any, x: np.ndarray, splits: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Rows ``splits[j]`` of ``x`` go to rank j; returns (received rows, rows received from
-    each rank). Without splits the first dimension is split evenly (it must divide)."""
-    size = comm.size
-    x = np.ascontiguousarray(x)
-    if splits is None:
-        if x.shape[0] % size:
-            raise CollectiveError("alltoall", comm.rank,
-                                  f"first dimension {x.shape[0]} does not split evenly over "
-                                  f"{size} ranks; pass splits=")
-        splits = np.full(size, x.shape[0] // size, dtype=np.int64)
-    splits = np.asarray(splits, dtype=np.int64).reshape(-1)
-    if splits.size != size or (splits < 0).any() or splits.sum() != x.shape[0]:
-        raise CollectiveError("alltoall", comm.rank,
-                              f"splits {splits.tolist()} must be {size} non-negative row counts "
-                              f"summing to the first dimension {x.shape[0]}")
-    received = comm.alltoall(splits.copy())
-    per_row = int(np.prod(x.shape[1:])) if x.ndim > 1 else 1
-    out = np.empty((int(received.sum()),) + x.shape[1:], dtype=x.dtype)
-    from .. import dtypes as _dt
-    t = _dt.mpi_type(x.dtype)
-    send_counts = (splits * per_row).tolist()
-    recv_counts = (received * per_row).tolist()
-    comm.mpi.Alltoallv([bits(x), (send_counts, _displs(send_counts)), t],
-                       [bits(out), (recv_counts, _displs(recv_counts)), t])
-    return out, received
-
-
-def _displs(counts: list[int]) -> list[int]:
-    out, total = [], 0
-    for c in counts:
-        out.append(total)
-        total += c
-    return out
-
-
-def np_reducescatter(comm: Any, x: np.ndarray, op: str, prescale: float = 1.0,
-                     postscale: float = 1.0) -> np.ndarray:
-    """Reduce over ranks, then rank r keeps its rows (Horovod's split: the first
-    ``n % size`` ranks get one row more)."""
-    if x.ndim == 0:
-        raise CollectiveError("reducescatter", comm.rank, "needs at least one dimension")
-    rows = split_rows(x.shape[0], comm.size)
-    start = sum(rows[:comm.rank])
-    if x.shape[0] % comm.size == 0 and prescale == 1.0 and postscale == 1.0 \
-            and not (op == Average and x.dtype.kind in "iub") and not _is_bf16(x):
-        return comm.reduce_scatter(np.ascontiguousarray(x), op=op)
-    full = np_allreduce(comm, np.ascontiguousarray(x), op, prescale, postscale)
-    return full[start:start + rows[comm.rank]].copy()
+    j = job("allgather_object")
+    return j.engine.run("allgather_object", name,
+                        lambda: _objects.allgather_objects(j.comm, obj))

@@ -68,10 +68,20 @@ def __getattr__(name: str):
 
 
 # ----------------------------------------------------------------------------- tensors
+class _NotATensor:
+    """Stands in for an argument that is not a tensor: ``_submit`` refuses it."""
+
+    shape = ()
+
+    def __init__(self, value: Any):
+        self.type = type(value).__name__
+        self.dtype = _core.NOT_A_TENSOR + self.type
+
+
 def _np(t: torch.Tensor, op: str) -> np.ndarray:
     """A CPU NumPy view of ``t`` (bfloat16 as the runtime's bfloat16); GPU tensors copied."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
+        return _NotATensor(t)
     from ...arrays import torch_to_numpy
     src = t.detach()
     if src.device.type != "cpu":
@@ -92,7 +102,8 @@ from ...dtypes import BFLOAT16 as _BF16  # noqa: E402
 
 def _sig(arrays: list[np.ndarray]) -> tuple[tuple, tuple]:
     from ...dtypes import dtype_name
-    return tuple(a.shape for a in arrays), tuple(dtype_name(a.dtype) for a in arrays)
+    return tuple(a.shape for a in arrays), tuple(
+        a.dtype if isinstance(a, _NotATensor) else dtype_name(a.dtype) for a in arrays)
 
 
 def _submit(kind: str, name: str | None, arrays: list[np.ndarray], run, op: str = "",
@@ -100,7 +111,30 @@ def _submit(kind: str, name: str | None, arrays: list[np.ndarray], run, op: str 
     j = _job(kind)
     shapes, dtypes = _sig(arrays)
     req = _core.Request(kind, j.engine.name(kind, name), shapes, dtypes, op, root, run)
+    bad = [a for a in arrays if isinstance(a, _NotATensor)]
+    if bad:
+        _refuse(j, req, bad[0])
     return j.engine.submit(req)
+
+
+def _refuse(j: _core.Job, req: _core.Request, bad: _NotATensor) -> None:
+    """``req`` has an argument that is not a tensor: submit it all the same, so that the
+    other ranks get a HorovodMismatchError naming this rank instead of waiting for it,
+    then raise a TypeError here (Horovod fails on this rank, at the call)."""
+    req.run = lambda: None  # never runs: the name's comparison fails on every rank
+    try:
+        j.engine.synchronize(j.engine.submit(req))
+    except _core.HorovodMismatchError:
+        pass
+    raise TypeError(f"{req.kind} on rank {j.rank}: expected a torch.Tensor, got {bad.type} "
+                    f"(submitted as {req.name!r}: the other ranks get a mismatch error)")
+
+
+def _compress(compression: Any, tensor: Any) -> tuple[Any, Any]:
+    """``compression.compress(tensor)``; what is not a tensor goes on as it is (refused)."""
+    if not isinstance(tensor, torch.Tensor):
+        return tensor, None
+    return compression.compress(tensor)
 
 
 def poll(handle: _core.Handle) -> bool:
@@ -183,8 +217,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     """Reduce ``tensor`` over all ranks (default: average); a new tensor, differentiable."""
     op = _core.op_from_average(op, average, "allreduce")
     _core.check_process_set(process_set, "allreduce")
-    compressed, cctx = compression.compress(tensor)
-    if compressed.requires_grad and op in (Average, Sum):
+    compressed, cctx = _compress(compression, tensor)
+    if getattr(compressed, "requires_grad", False) and op in (Average, Sum):
         out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor)
     else:
         out = synchronize(_allreduce_async(compressed, False, name, op, prescale_factor,
@@ -238,7 +272,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
                       process_set=global_process_set):
     """Allreduce a list of tensors as one fused operation; a list of new tensors."""
     op = _core.op_from_average(op, average, "grouped_allreduce")
-    pairs = [compression.compress(t) for t in tensors]
+    pairs = [_compress(compression, t) for t in tensors]
     outs = synchronize(_grouped_async([p[0] for p in pairs], False, name, op, prescale_factor,
                                       postscale_factor, process_set, "grouped_allreduce"))
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
@@ -278,7 +312,7 @@ def allgather(tensor, name=None, process_set=global_process_set):
     """Concatenate every rank's ``tensor`` along the first dimension (its length may
     differ per rank; the other dimensions must match: checked, naming the rank)."""
     _core.check_process_set(process_set, "allgather")
-    if tensor.requires_grad:
+    if getattr(tensor, "requires_grad", False):
         return _Allgather.apply(tensor, name)
     return synchronize(allgather_async(tensor, name))
 
@@ -357,7 +391,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """Reduce over ranks (default: average), then rank r keeps its share of the first
     dimension (the first ``n % size`` ranks get one row more)."""
-    compressed, cctx = compression.compress(tensor)
+    compressed, cctx = _compress(compression, tensor)
     out = synchronize(reducescatter_async(compressed, name, op, process_set, prescale_factor,
                                           postscale_factor))
     return compression.decompress(out, cctx)
@@ -379,13 +413,13 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set=global_process_set) -> Any:
     """Root's picklable ``obj`` on every rank."""
     _core.check_process_set(process_set, "broadcast_object")
-    return _core.broadcast_object(obj, root_rank)
+    return _core.broadcast_object(obj, root_rank, name)
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set=global_process_set) -> list:
     """Every rank's picklable ``obj``, in rank order."""
     _core.check_process_set(process_set, "allgather_object")
-    return _core.allgather_object(obj)
+    return _core.allgather_object(obj, name)
 
 
 # ----------------------------------------------------------------------------- model state
