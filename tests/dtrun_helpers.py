@@ -20,8 +20,22 @@ def user_env(**extra):
 
 
 def dtrun(*args, timeout=120, env=None, cwd=REPO, **kw):
-    return subprocess.run([DTRUN, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          env=env or user_env(), cwd=cwd, stdin=subprocess.DEVNULL, **kw)
+    """Run dtrun to its end. On ``timeout`` it is stopped as a user would (SIGTERM, so it
+    stops its job on every host; SIGKILL only if it does not end), then TimeoutExpired goes on:
+    a hung test never leaves a job running into the next one."""
+    proc = subprocess.Popen([DTRUN, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env or user_env(), cwd=cwd, stdin=subprocess.DEVNULL, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def one_line_error(proc, *needles):
