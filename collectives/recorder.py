@@ -13,8 +13,10 @@ which dtrun's agent reads with the standard library: one definition for both sid
 writer stores ``desc`` before ``seq``. Header word ``INSIDE_WORD`` is 1 while the rank is
 inside a blocking collective, 0 otherwise: dtrun's agent on the rank's host reads it a few
 hundred times a second for the share of time the rank waits for its peers
-(launcher/waitsampler.py), so no clock is read in the collective and none is compared
-across hosts.
+(launcher/remote/waitsampler.py), so no clock is read in the collective and none is compared
+across hosts. The agent reads the file with pread, and only a regular file of exactly the
+format's size (launcher/remote/rankstate.py, ``open_recorder``): a program that replaces or
+truncates it gets "flight recorder not read" for its rank, and the rest of the host is reported.
 
 Cost: two stores into the mapped memory per collective, two more for the flag (see
 benchmarks/bench_hang.py and benchmarks/bench_straggler.py).
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 
 from launcher.remote import wire as _wire
 
@@ -60,10 +63,16 @@ def open_ring(rank: int, environ=os.environ):
         return None
     nbytes = (HEADER_WORDS + 2 * RING) * 8
     try:
-        fd = os.open(path_for(job_dir, rank), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # Never through a link (O_TRUNC would empty the file it names), and only a regular file
+        # is made the ring (a FIFO or device put there is left alone: no recorder then).
+        fd = os.open(path_for(job_dir, rank), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                     0o600)
     except OSError:
         return None  # no job directory on this host: run without a recorder
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        os.ftruncate(fd, 0)  # a new ring: nothing of an earlier file is taken for an entry
         os.ftruncate(fd, nbytes)
         mm = mmap.mmap(fd, nbytes)
     except OSError:

@@ -66,8 +66,8 @@ def _line(marker):
     return next(i for i, line in enumerate(ENDING.splitlines(), 1) if line.rstrip().endswith(f"# {marker}"))
 
 
-NOT_HANDLING = ("no stack: the rank is not handling SIGRTMIN+6 now (Python is shutting down, "
-                "or the program closed faulthandler)")
+NOT_HANDLING = ("no stack: SIGRTMIN+6 is ignored by the program now (faulthandler's handler was removed: "
+                "the program unregistered it, or Python is finalizing)")
 # What the report says of rank 0, per case and per way of reading stacks.
 EXPECTED = {
     ("finalize", "py-spy"): NOT_HANDLING,  # py-spy cannot read a Python that is shutting down

@@ -27,7 +27,9 @@ directory on this host (rankstate.tidy): after a failed job, on a host that does
 
 The job directory is written by the ranks' own programs too, so a pid found there is only
 examined or signalled once rankstate.job_process proved it is this job's process; and a
-dump request goes only to a rank that handles the signal at that moment (``signal_caught``).
+dump request goes only to a rank that handles the signal at that moment (``pystacks.not_handling``).
+Its flight recorder is read only from a regular file of the recorder's size, with pread
+(``rankstate.read_recorder``): a FIFO, a link or a truncated file there is named for that rank.
 """
 import sys
 
@@ -51,15 +53,57 @@ REC_SHOWN = 8  # newest recorder entries put in a report
 
 def read_recorder(job_dir, rank):
     """The pid and newest entries (``REC_SHOWN``) of a rank's recorder, or None."""
-    words = rankstate.recorder_words(job_dir, rank)
+    return recorder_entries(job_dir, rank)[0]
+
+
+def recorder_entries(job_dir, rank):
+    """(read_recorder's answer, why the rank's recorder file was not read or None)."""
+    words, why = rankstate.read_recorder(job_dir, rank)
     rec = None if words is None else wire.rec_decode(words)
-    return None if rec is None else {"pid": rec["pid"], "entries": rec["entries"][-REC_SHOWN:]}
+    return (None if rec is None else {"pid": rec["pid"], "entries": rec["entries"][-REC_SHOWN:]}), why
 
 
 def recorder_seq(job_dir, rank):
     """The newest sequence number in a rank's recorder, reading only the ring (cheap)."""
     words = rankstate.recorder_words(job_dir, rank)
     return None if words is None else wire.rec_newest_seq(words)
+
+
+def _python_stacks(job_dir, rank, pid, timeout, via, out):
+    """A Python rank's threads from py-spy, else its faulthandler: (threads, errors), the
+    source in ``out["source"]``. When py-spy timed out and faulthandler cannot answer (the
+    rank does not catch the signal now), py-spy is asked once more without pausing the rank."""
+    errors = []
+    threads, err = (None, "py-spy not asked") if via == "faulthandler" else pyspy_stacks(pid, timeout)
+    out["source"] = "py-spy"
+    if threads is None:
+        errors.append(err)
+        threads, err = faulthandler_stacks(job_dir, rank, pid, timeout)
+        out["source"] = "faulthandler"
+        if threads is None:
+            errors.append(err)
+    if threads is None and via != "faulthandler" and "no answer" in (errors[0] or ""):
+        threads, err = pyspy_stacks(pid, timeout, nonblocking=True)
+        out["source"] = "py-spy"
+        if threads is None:
+            errors.append(err)
+    return threads, errors
+
+
+def _full_paths(threads, pid):
+    """Relative frame paths made absolute against the rank's cwd, and their source lines."""
+    try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        cwd = None
+    for t in threads:
+        for fr in t["frames"]:
+            f = fr.get("file", "")
+            if cwd and f and not f.startswith(("/", "<")) and os.path.exists(os.path.join(cwd, f)):
+                fr["file"] = os.path.join(cwd, f)  # py-spy, faulthandler and gdb print paths as given
+        for fr in t["frames"][:12]:
+            if fr.get("line") and fr.get("file", "").startswith("/"):
+                fr["code"] = source_line(fr["file"], fr["line"])
 
 
 def describe_rank(job_dir, st, timeout, via="auto"):
@@ -76,43 +120,24 @@ def describe_rank(job_dir, st, timeout, via="auto"):
         out["error"] = "process has exited"
         return out
     python = "python" in out.get("exe", "") or os.path.exists(os.path.join(job_dir, f"rank.{st['rank']}.stack.armed"))
-    errors = []
-    threads = None
     if python:
-        threads, err = (None, "py-spy not asked") if via == "faulthandler" else pyspy_stacks(pid, timeout)
-        out["source"] = "py-spy"
-        if threads is None:
-            errors.append(err)
-            threads, err = faulthandler_stacks(job_dir, st["rank"], pid, timeout)
-            out["source"] = "faulthandler"
-            if threads is None:
-                errors.append(err)
+        threads, errors = _python_stacks(job_dir, st["rank"], pid, timeout, via, out)
     else:
         threads, err = gdb_stacks(pid, timeout)
-        out["source"] = "gdb"
-        if threads is None:
-            errors.append(err)
+        out["source"], errors = "gdb", [err]
     if threads is None:
         out["source"] = None
         # The last answer is the one that decided (py-spy's failure led to faulthandler).
         out["error"] = "; ".join(e for e in reversed(errors) if e)
     else:
-        try:
-            cwd = os.readlink(f"/proc/{pid}/cwd")
-        except OSError:
-            cwd = None
-        for t in threads:
-            for fr in t["frames"]:
-                f = fr.get("file", "")
-                if cwd and f and not f.startswith(("/", "<")) and os.path.exists(os.path.join(cwd, f)):
-                    fr["file"] = os.path.join(cwd, f)  # py-spy, faulthandler and gdb print paths as given
-            for fr in t["frames"][:12]:
-                if fr.get("line") and fr.get("file", "").startswith("/"):
-                    fr["code"] = source_line(fr["file"], fr["line"])
+        _full_paths(threads, pid)
         out["threads"] = threads
-    rec = read_recorder(job_dir, st["rank"])
+    rec, why = recorder_entries(job_dir, st["rank"])
     if rec is not None and rec["pid"] == pid:
         out["recorder"] = rec["entries"]
+    if why:  # the rank is described all the same; the full stacks file says what is wrong
+        out["recorder_error"] = "flight recorder not read: " + why
+        out["error"] = "; ".join(e for e in (out.get("error"), out["recorder_error"]) if e)
     return out
 
 
@@ -130,9 +155,14 @@ def dump(job_dir, timeout, via="auto"):
     threads = [threading.Thread(target=work, args=(i, st), daemon=True) for i, st in enumerate(ranks)]
     for t in threads:
         t.start()
+    limit = timeout * 3 + 5
+    deadline = time.monotonic() + limit  # one deadline for all: a rank that is slow to read delays no other
     for t in threads:
-        t.join(timeout * 3 + 5)
-    return {"host": socket.gethostname(), "ranks": [r for r in results if r is not None]}
+        t.join(max(0.0, deadline - time.monotonic()))
+    late = {"error": f"no answer from the agent's reader within {limit:g} s"}
+    return {"host": socket.gethostname(),
+            "ranks": [r if r is not None else {"rank": st.get("rank"), "host": st.get("host"), "pid": st.get("pid"),
+                                               **late} for r, st in zip(results, ranks)]}
 
 
 def watch(job_dir, interval):

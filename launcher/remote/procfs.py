@@ -66,17 +66,28 @@ def gone(pid, start):
         return True
 
 
-def signal_caught(pid, signum):
-    """Whether ``pid`` has a handler for ``signum`` now (SigCgt in /proc/PID/status, a hex
-    mask with bit signum-1), False when it has none, None when that cannot be read."""
+def signal_disposition(pid, signum):
+    """What ``pid`` does with ``signum`` now, from /proc/PID/status: "caught" (SigCgt: a
+    handler), "ignored" (SigIgn), "default" (neither: the default action), or None when that
+    cannot be read."""
+    masks = {}
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+                if line.startswith(("SigCgt:", "SigIgn:")):
+                    masks[line[:6]] = int(line.split()[1], 16) >> (signum - 1) & 1
     except (OSError, ValueError, IndexError):
-        pass
-    return None
+        return None
+    if len(masks) < 2:
+        return None
+    return "caught" if masks["SigCgt"] else "ignored" if masks["SigIgn"] else "default"
+
+
+def signal_caught(pid, signum):
+    """Whether ``pid`` has a handler for ``signum`` now (SigCgt in /proc/PID/status, a hex
+    mask with bit signum-1), False when it has none, None when that cannot be read."""
+    how = signal_disposition(pid, signum)
+    return None if how is None else how == "caught"
 
 
 def proc_info(pid):

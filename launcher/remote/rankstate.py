@@ -240,19 +240,73 @@ def host_ranks(job_dir):
     return sorted(out, key=lambda s: s["rank"])  # the rank names files (rank.N.rec): a number, nothing else
 
 
-def recorder_words(job_dir, rank):
-    """A rank's flight recorder file as int64 words, or None when it is missing or not a recorder."""
-    import array
+# The recorder file's size (launcher/remote/wire.py's layout): a file of any other size is not read.
+REC_BYTES = 8 * (wire.REC_HEADER_WORDS + 2 * wire.REC_RING)
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"))
+
+
+def _not_a_recorder(info):
+    """Why a file (its stat) is not one the agent reads as a recorder, or None."""
+    if not stat.S_ISREG(info.st_mode):
+        kind = next((name for test, name in _KINDS if test(info.st_mode)), "not a regular file")
+        return f"is {kind}, not a regular file"
+    if info.st_uid != os.geteuid():
+        return f"is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
+    if info.st_size != REC_BYTES:
+        return f"has {info.st_size} bytes, not a recorder's {REC_BYTES} (truncated or replaced)"
+    return None
+
+
+def open_recorder(job_dir, rank):
+    """A rank's flight recorder file opened for reading: (fd, None); (None, None) when there is
+    none; (None, why) when what is there is not read. The rank's program can put anything at
+    that path: a link is not followed, a FIFO not waited on, a device never opened; only a
+    regular file of this user with the recorder's exact size is (checked on the open file)."""
+    name = wire.rec_file(rank)
+    path = os.path.join(job_dir, name)
     try:
-        with open(os.path.join(job_dir, wire.rec_file(rank)), "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
+        why = _not_a_recorder(os.lstat(path))
+        if why is None:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            why = _not_a_recorder(os.fstat(fd))  # it may have been replaced since lstat
+            if why is None:
+                return fd, None
+            os.close(fd)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        why = f"cannot be opened ({exc.strerror})"
+    return None, f"{name} {why}"
+
+
+def read_recorder(job_dir, rank):
+    """(a rank's flight recorder as int64 words, None), (None, None) when it has none, or
+    (None, why) when its file is not read (``open_recorder``) or not a recorder. Reads at most
+    REC_BYTES with pread, never a mapping: a file that shrinks under the reader is a finding,
+    not a SIGBUS."""
+    import array
+    fd, why = open_recorder(job_dir, rank)
+    if fd is None:
+        return None, why
+    try:
+        raw = os.pread(fd, REC_BYTES, 0)
+    except OSError as exc:
+        return None, f"{wire.rec_file(rank)} cannot be read ({exc.strerror})"
+    finally:
+        os.close(fd)
+    if len(raw) < REC_BYTES:
+        return None, f"{wire.rec_file(rank)} was truncated to {len(raw)} bytes while read"
     words = array.array("q")
-    words.frombytes(raw[: len(raw) - len(raw) % 8])
-    if len(words) < wire.REC_HEADER_WORDS or words[0] != wire.REC_MAGIC:
-        return None
-    return words
+    words.frombytes(raw)
+    if words[0] != wire.REC_MAGIC:
+        return None, f"{wire.rec_file(rank)} is not a flight recorder (no magic word)"
+    return words, None
+
+
+def recorder_words(job_dir, rank):
+    """A rank's flight recorder file as int64 words, or None when it is missing or not read."""
+    return read_recorder(job_dir, rank)[0]
 
 
 def tidy(job_dir):

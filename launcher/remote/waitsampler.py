@@ -11,6 +11,12 @@ torch.distributed, NCCL, Horovod or the bundled runtime. Every rank is measured 
 host: nothing compares clocks across hosts. GPU use comes from ``nvidia-smi`` where it
 exists. The agent ends when its output is closed, after the window in which the last
 local rank ended, or after one window with ``once``.
+
+The recorder file is the rank's to write: it is read with pread from a regular file of the
+recorder's size only (``rankstate.open_recorder``), and what is wrong with it goes into the
+rank's ``rec_error`` (and ``stack_error``, which `dtrun top` shows) while the rank is measured
+from /proc as any other. py-spy's samples come through a pipe: no file is left when the
+agent is killed with its job.
 """
 import json
 import os
@@ -20,7 +26,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -146,42 +151,55 @@ def _num(text):
 
 
 def recorder_seq(job_dir, rank, pid):
-    """The newest sequence number in the rank's flight recorder (None without one)."""
-    words = rankstate.recorder_words(job_dir, rank)
+    """(the newest sequence number in the rank's flight recorder or None, why its file was not
+    read or None): no recorder, or another process's, is (None, None)."""
+    words, why = rankstate.read_recorder(job_dir, rank)
     if words is None or words[2] != pid:
-        return None
-    return wire.rec_newest_seq(words)
+        return None, why
+    return wire.rec_newest_seq(words), None
 
 
-def poll_inside(job_dir, rank, pid, until, hz=REC_POLL_HZ):
+def poll_inside(job_dir, rank, pid, until, hz=REC_POLL_HZ, problems=None):
     """(polls, polls that found the rank inside a blocking collective) until ``until``
-    (monotonic) or the rank's end, reading the recorder's flag word through a read-only
-    mapping; None when the rank has no recorder of a format with the flag."""
-    import mmap
+    (monotonic) or the rank's end, reading the recorder's flag word with pread (a mapping would
+    kill the agent with SIGBUS when the file is truncated under it); None when the rank has no
+    recorder of a format with the flag. Why the file was not read, or stopped being readable,
+    is appended to ``problems``."""
     import struct
 
-    try:
-        with open(os.path.join(job_dir, wire.rec_file(rank)), "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError):
+    fd, why = rankstate.open_recorder(job_dir, rank)
+    if fd is None:
+        if why and problems is not None:
+            problems.append(why)
         return None
+    name = wire.rec_file(rank)
     try:
-        if len(mm) < 8 * wire.REC_HEADER_WORDS:
+        head = os.pread(fd, 24, 0)
+        if len(head) < 24:
             return None
-        magic, version, rpid = struct.unpack_from("qqq", mm, 0)
+        magic, version, rpid = struct.unpack("qqq", head)
         if magic != wire.REC_MAGIC or version < wire.REC_INSIDE_SINCE or rpid != pid:
             return None
         polls = inside = 0
         off, step = 8 * wire.REC_INSIDE_WORD, 1.0 / hz
         while time.monotonic() < until:
+            word = os.pread(fd, 8, off)
+            if len(word) < 8:
+                if problems is not None:
+                    problems.append(f"{name} was truncated while read ({os.fstat(fd).st_size} bytes left)")
+                break
             polls += 1
-            inside += struct.unpack_from("q", mm, off)[0] != 0
+            inside += struct.unpack("q", word)[0] != 0
             if polls % 50 == 0 and not os.path.exists(f"/proc/{pid}"):
                 break
             time.sleep(step)
         return polls, inside
+    except OSError as exc:
+        if problems is not None:
+            problems.append(f"{name} cannot be read ({exc.strerror})")
+        return None
     finally:
-        mm.close()
+        os.close(fd)
 
 
 class _Source:
@@ -191,12 +209,8 @@ class _Source:
         self.files = {}
 
     def __call__(self, path, line):
-        if path not in self.files:
-            try:
-                with open(path, errors="replace") as f:
-                    self.files[path] = f.read().splitlines()
-            except (OSError, ValueError):
-                self.files[path] = []
+        if path not in self.files:  # a regular file only (a frame can name a FIFO): pystacks.read_file
+            self.files[path] = pystacks.source_lines(path)
         lines = self.files[path]
         return lines[line - 1] if 0 < line <= len(lines) else ""
 
@@ -206,25 +220,19 @@ def pyspy_record(pid, seconds, rate):
     exe = pystacks.pyspy_path()
     if not exe:
         return None, "py-spy not installed"
-    fd, out = tempfile.mkstemp(prefix="dtrun-sample-", suffix=".txt")
-    os.close(fd)
+    # The samples come on py-spy's own stdout (with its few "py-spy>" lines, which parse_raw
+    # skips): no file of them anywhere, so none is left behind when the agent is killed.
     try:
         p = subprocess.run([exe, "record", "--pid", str(pid), "--duration", str(max(1, int(round(seconds)))),
                             "--rate", f"{rate:g}", "--format", "raw", "--idle", "--nonblocking", "--threads",
-                            "--full-filenames", "-o", out], capture_output=True, text=True, timeout=seconds + 10,
-                           stdin=subprocess.DEVNULL)
-        with open(out, errors="replace") as f:
-            text = f.read()
+                            "--full-filenames", "-o", "/proc/self/fd/1"], capture_output=True, text=True,
+                           errors="replace", timeout=seconds + 10, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return None, "py-spy gave no answer"
     except OSError as exc:
         return None, f"py-spy: {exc.strerror}"
-    finally:
-        try:
-            os.unlink(out)
-        except OSError:
-            pass
-    if p.returncode != 0 and not text:
+    text = p.stdout
+    if p.returncode != 0 and not any(_RAW_LINE.match(ln.strip()) for ln in text.splitlines()):
         lines = [ln.strip() for ln in p.stderr.splitlines() if ln.strip()]
         why = next((ln for ln in lines if ln.startswith("Error:")), lines[-1] if lines else "failed")
         return None, "py-spy: " + why[:200]
@@ -259,6 +267,23 @@ def _cwd_paths(samples, pid):
             for frames, n in samples]
 
 
+def _stack_samples(job_dir, rank, pid, until, rate, via, out):
+    """py-spy's samples of the rank's main thread until ``until`` (monotonic), else its
+    faulthandler's: (samples or None, why there are none); sets ``out["via"]``."""
+    samples, errors = None, []
+    if via not in ("faulthandler", "proc"):
+        samples, err = pyspy_record(pid, max(0.0, until - time.monotonic()), rate)
+        out["via"] = "py-spy"
+        if samples is None:
+            errors.append(err)
+    if samples is None and via != "proc":
+        samples, err = faulthandler_samples(job_dir, rank, pid, max(0.0, until - time.monotonic()))
+        out["via"] = "faulthandler"
+        if samples is None:
+            errors.append(err)
+    return samples, "; ".join(e for e in errors if e)
+
+
 def sample_rank(job_dir, st, window, rate, via):
     rank, pid = st["rank"], st.get("pid")
     out = {"rank": rank, "pid": pid}
@@ -267,29 +292,19 @@ def sample_rank(job_dir, st, window, rate, via):
         out["error"] = "process has exited" if refusal.exited else f"not examined: {refusal.why}"
         return out
     t0, p0 = time.monotonic(), procfs.proc_sample(pid)
-    r0 = recorder_seq(job_dir, rank, pid)
-    polled = [None]
-    poller = threading.Thread(target=lambda: polled.__setitem__(0, poll_inside(job_dir, rank, pid, t0 + window)),
-                              daemon=True)
+    r0, why0 = recorder_seq(job_dir, rank, pid)
+    polled, problems = [None], [why0] if why0 else []
+    poller = threading.Thread(target=lambda: polled.__setitem__(
+        0, poll_inside(job_dir, rank, pid, t0 + window, problems=problems)), daemon=True)
     poller.start()
     exe = procfs.proc_info(pid).get("exe", "")
     python = "python" in exe or os.path.exists(os.path.join(job_dir, f"rank.{rank}.stack.armed"))
-    samples, errors = None, []
-    if python and via != "faulthandler" and via != "proc":
-        samples, err = pyspy_record(pid, window, rate)
-        out["via"] = "py-spy"
-        if samples is None:
-            errors.append(err)
-    if python and samples is None and via != "proc":
-        samples, err = faulthandler_samples(job_dir, rank, pid, max(0.0, t0 + window - time.monotonic()))
-        out["via"] = "faulthandler"
-        if samples is None:
-            errors.append(err)
+    samples, stack_error = _stack_samples(job_dir, rank, pid, t0 + window, rate, via, out) if python else (None, "")
     while time.monotonic() < t0 + window and procfs.proc_sample(pid) is not None:
         time.sleep(0.05)
     poller.join(window + 5)
     t1, p1 = time.monotonic(), procfs.proc_sample(pid)
-    r1 = recorder_seq(job_dir, rank, pid)
+    r1, why1 = recorder_seq(job_dir, rank, pid)
     out["span"] = round(t1 - t0, 3)
     last = p1 or p0
     if last is not None:
@@ -305,13 +320,23 @@ def sample_rank(job_dir, st, window, rate, via):
         out["rec_polls"], out["rec_inside"] = polled[0]
     if samples is not None:
         out.update(summarise(_cwd_paths(samples, pid), _Source()))
-    elif python and errors:
-        out["stack_error"] = "; ".join(e for e in errors if e)
+    _note_problems(out, stack_error, problems + ([why1] if why1 else []))
     if polled[0] is not None and polled[0][0]:
         out["via"] = "recorder"  # the waiting share; samples, where there are some, give the frames
     elif samples is None:
         out["via"] = "proc"
     return out
+
+
+def _note_problems(out, stack_error, recorder_problems):
+    """Why there are no stack samples, and what is wrong with the rank's recorder file (the
+    rank is measured all the same: ``stack_error`` is what `dtrun top` shows of a rank)."""
+    rec = "; ".join(dict.fromkeys(recorder_problems))
+    if rec:
+        out["rec_error"] = "flight recorder not read: " + rec
+    text = "; ".join(t for t in (stack_error, out.get("rec_error")) if t)
+    if text:
+        out["stack_error"] = text
 
 
 def gpu_use():
@@ -345,10 +370,13 @@ def sample_host(job_dir, window, rate, via):
     threads.append(threading.Thread(target=lambda: gpu.__setitem__(0, gpu_use()), daemon=True))
     for t in threads:
         t.start()
+    deadline = time.monotonic() + window + 15  # one deadline for all: a stuck rank delays no other
     for t in threads:
-        t.join(window + 15)
+        t.join(max(0.0, deadline - time.monotonic()))
     gpus, apps = gpu[0]
-    out = [r for r in results if r is not None]
+    out = [r if r is not None else {"rank": st.get("rank"), "pid": st.get("pid"),
+                                    "error": f"not measured within {window + 15:g} s"}
+           for r, st in zip(results, ranks)]
     for r in out:
         if r.get("pid") in apps:
             used = apps[r["pid"]]
