@@ -200,3 +200,27 @@ def test_lost_host_output_has_no_control_bytes_and_the_warning_names_only_cut_ra
             cut.add(str(r))
     named_ranks = set(re.findall(rb"rank (\d+) on", named.group(1))) if named else set()
     assert {r.decode() for r in named_ranks} <= cut, (cut, out[-3000:])
+
+
+KILLED_MPIRUN = textwrap.dedent('''\
+    import os, sys, time
+    from launcher.remote import wire
+    token = os.environ[wire.MARKER_TOKEN_ENV]
+    err = sys.stderr.buffer
+    for r in range(2):
+        err.write(b"[1,%d]<stderr>: " % r + wire.start_line(token, r, "h%d" % (r + 1)).encode())
+    # rank 0 saw its peer's socket close and aborted first; rank 1 died with its wrapper (no marker)
+    err.write(b"[1,0]<stderr>: " + wire.exit_line(token, 0, "h1", time.time(), code=1).encode())
+    err.write(b"prterun noticed that process rank 1 with PID 4242 on node h2 exited on signal 9 (Killed).\\n")
+    err.flush()
+    sys.exit(137)
+''')
+
+
+def test_a_rank_killed_with_its_wrapper_is_the_cause_not_the_abort_it_provoked(tmp_path):
+    (tmp_path / "mpirun.py").write_text(KILLED_MPIRUN)
+    (tmp_path / "runner.py").write_text(RUNNER.replace('("h1", "h2", "h3")', '("h1", "h2")'))
+    p = subprocess.run([sys.executable, tmp_path / "runner.py", tmp_path / "mpirun.py"], cwd=REPO, timeout=60,
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert re.search(r"(?m)^dtrun: job failed: rank 1 on h2 killed by SIGKILL", p.stderr), p.stderr

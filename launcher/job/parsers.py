@@ -45,6 +45,16 @@ def reported_rank(report: str) -> Optional[str]:
     return m.group(1) if m else None
 
 
+def killed_rank(report: str) -> Optional[RankFailure]:
+    """The rank Open MPI says was killed by a signal ("process rank 1 with PID … on node h2
+    exited on signal 9"), if it said: a kill from outside that took the rank's wrapper with it
+    leaves no marker, and another rank's abort may come first."""
+    killed = _OMPI_KILLED_RE.search(report)
+    # what Open MPI "noticed" first, not a kill of its own tear-down
+    return RankFailure(killed.group(1), killed.group(2), code=None, signum=int(killed.group(3)),
+                       forwarded=False) if killed else None
+
+
 def fallback_failure(report: str) -> Optional[RankFailure]:
     """The failed rank as the launcher's own report names it (host "?" where it does not)."""
     mpich = _MPICH_ABORT_RE.search(report)
@@ -53,9 +63,9 @@ def fallback_failure(report: str) -> Optional[RankFailure]:
         return RankFailure(mpich.group(2), "?", code=code if 0 < code < 256 else None)
     rank = _OMPI_RANK_RE.search(report)
     if not rank:
-        killed = _OMPI_KILLED_RE.search(report)
+        killed = killed_rank(report)
         if killed:
-            return RankFailure(killed.group(1), killed.group(2), code=None, signum=int(killed.group(3)))
+            return killed
         abort = _OMPI_ABORT_RE.search(report)
         return RankFailure(abort.group(1), abort.group(2), code=None) if abort else None
     code = _OMPI_CODE_RE.search(report)

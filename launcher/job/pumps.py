@@ -201,6 +201,9 @@ class OutputPumps:
         """The rank Open MPI names as the first to fail, if it said."""
         return parsers.reported_rank("".join(self.ompi_report))
 
+    def killed_rank(self) -> Optional[RankFailure]:
+        return parsers.killed_rank("".join(self.ompi_report))
+
     def fallback_failure(self) -> Optional[RankFailure]:
         return parsers.fallback_failure("".join(self.ompi_report))
 

@@ -269,6 +269,11 @@ class JobSupervisor:
     def _ordered_failures(self, pumps: OutputPumps, mpirun_rc: int, interrupted: bool) -> list[RankFailure]:
         """The ranks' failures, root cause first; the launcher's own report where no marker named one."""
         failures = order_failures(self.failures, pumps.reported_rank())
+        killed = pumps.killed_rank() if self.stop_state is None else None  # not one dtrun stopped
+        if killed is not None and all(f.rank != killed.rank for f in failures):
+            # Killed with its wrapper (no marker): Open MPI's report is all there is of the cause,
+            # and another rank's abort that it provoked must not take its place.
+            failures = order_failures(failures + [killed], pumps.reported_rank())
         if root_cause(failures) is None and mpirun_rc != 0 and not interrupted:
             fb = pumps.fallback_failure()
             if fb:
