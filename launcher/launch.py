@@ -216,7 +216,8 @@ def check_usage(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, e
 
 
 # The variables of dtrun's environment whose presence the command depends on (LaunchSpec.env_names_set).
-_ENV_NAMES_NOTED = ("LD_LIBRARY_PATH", "NCCL_SOCKET_IFNAME", "OMPI_MCA_osc", "OMPI_MCA_pml", "OMPI_MCA_btl")
+_ENV_NAMES_NOTED = ("LD_LIBRARY_PATH", "NCCL_SOCKET_IFNAME", "OMPI_MCA_osc", "OMPI_MCA_pml", "OMPI_MCA_btl",
+                    "SLURM_PMIX_FENCE")
 
 
 def _launcher_address(flavor: Flavor, selection: HostSelection, include: tuple, local: LocalFacts) -> Optional[str]:

@@ -445,7 +445,7 @@ class _Attempts:
             return att.code
         earlier = repeated_failure(self.healthy_failures, failure, not bad)
         if earlier is not None:
-            again = "twice in a row" if earlier == self.n else f"again (as in attempt {earlier + 1})"
+            again = "twice in a row" if earlier == self.n - 1 else f"again (as in attempt {earlier + 1})"
             _say(f"dtrun: not restarting: the same failure {again} ({failure.what}) while every "
                  f"host passed the check: the program's own error; fix it and run again (exit code "
                  f"{att.code}, the job's own)")

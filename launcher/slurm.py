@@ -195,6 +195,32 @@ def openmpi_env(spec: LaunchSpec, flavor: Flavor) -> list[tuple[str, str, str]]:
     return out
 
 
+# Slurm's mpi/pmix runs a PMIx fence that carries no data (Open MPI's closing barrier of MPI_Init
+# and MPI_Finalize) on its tree, and Slurm 22.05's reverse_tree_info() (Debian 12's slurm-wlm
+# 22.05.8) gives every node of a step narrower than TreeWidth (default 50) neither parent nor
+# children: each node ends the fence on its own, without the others. A rank on a node that got
+# there first leaves MPI_Init and sends to a rank still in the modex fence, and that rank crashes
+# in MPI_Init: Open MPI 4.1's btl/tcp calls the PML's receive callback before it is registered
+# (a NULL call), Open MPI 5's ob1 match callback finds no communicator yet (SIGSEGV at 0xe0).
+# Seen under load in tests/test_slurm.py::test_srun_launch_of_each_mpi. The ring fence, which
+# Slurm already uses for fences that carry data, waits for every node.
+PMIX_FENCE_VAR = "SLURM_PMIX_FENCE"
+PMIX_FENCE_WHY = ("Slurm's ring fence for every PMIx fence: Slurm 22.05's tree fence does not wait for the other "
+                  "nodes of a step under TreeWidth nodes, and a rank then crashes in MPI_Init (SIGSEGV) when a "
+                  "faster node's first message reaches it early")
+
+
+def pmix_fence_env(spec: LaunchSpec, flavor: Flavor, nodes: Sequence[str]) -> list[tuple[str, str, str]]:
+    """SLURM_PMIX_FENCE=ring for Open MPI on more than one node, unless the user chose a fence
+    (-x SLURM_PMIX_FENCE, or SLURM_PMIX_FENCE in dtrun's environment)."""
+    if not flavor.is_openmpi or len(nodes) < 2:
+        return []
+    user = {cmd.parse_env_item(e)[0] for e in spec.env}
+    if PMIX_FENCE_VAR in user or PMIX_FENCE_VAR in spec.env_names_set:
+        return []
+    return [(PMIX_FENCE_VAR, "ring", PMIX_FENCE_WHY)]
+
+
 def srun_notes(spec: LaunchSpec, flavor: Flavor) -> list[str]:
     """Options the srun path cannot honour, each said once (dry run and launch)."""
     notes = []
@@ -222,8 +248,9 @@ def build_srun_groups(spec: LaunchSpec, flavor: Flavor, plugins: Sequence[str],
     if spec.mca and not flavor.is_openmpi:
         raise UsageError("--mca is an Open MPI option; this MPI is MPICH (Hydra)")
     values = [(n, v, why) for n, v, why in cmd._env_list(spec) if v is not None]
+    nodes = nodes_for(spec)
     if flavor.is_openmpi:
-        values = openmpi_env(spec, flavor) + values
+        values = openmpi_env(spec, flavor) + pmix_fence_env(spec, flavor, nodes) + values
     g: list[ArgGroup] = []
     if values:
         # srun's --export splits on commas, so values (lo,docker0) go through srun's own
@@ -231,7 +258,6 @@ def build_srun_groups(spec: LaunchSpec, flavor: Flavor, plugins: Sequence[str],
         for i, (name, value, why) in enumerate(values):
             g.append(ArgGroup((("env",) if i == 0 else ()) + (f"{name}={value}",), why))
     g.append(ArgGroup((srun, f"--ntasks={spec.np}"), f"{spec.np} ranks; srun by absolute path, inside the allocation"))
-    nodes = nodes_for(spec)
     g.append(ArgGroup((f"--nodes={len(nodes)}", f"--nodelist={','.join(nodes)}"),
                       f"nodes of the {spec.host_source}, each filled to its slots in order (block distribution)"))
     g.append(ArgGroup((f"--mpi={plugin}",), f"{flavor.label} gets its process wiring from Slurm's {plugin} plugin"))

@@ -53,11 +53,23 @@ def agent_argv(job: JobInfo, host: str, mode: str, seconds: float, extra: Sequen
     return ssh + [host, shlex.join(remote)]
 
 
+def load_factor(limit: float = 4.0) -> float:
+    """How much slower than idle this host runs a stack reader: its load per core, from 1 to
+    ``limit``. gdb needs about 0.25 s of CPU for a rank, yet took over 2.5 s at a load of 3.5
+    per core: a fixed limit would call a rank stackless because the machine is busy."""
+    try:
+        per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 1.0
+    return min(max(per_core, 1.0), limit)
+
+
 def collect(job: JobInfo, timeout: float = 5.0, via: Optional[str] = None) -> list[HostAnswer]:
-    """Ask every host of the job at once; a host gets ``timeout`` (plus the ranks' own limits)."""
+    """Ask every host of the job at once; a host gets ``timeout`` (plus the ranks' own limits,
+    longer on a loaded machine: ``load_factor``)."""
     hosts = list(dict.fromkeys(job.hosts))
     answers: list[Optional[HostAnswer]] = [None] * len(hosts)
-    per_rank = max(1.0, timeout / 2)
+    per_rank = max(1.0, timeout / 2) * load_factor()
     if via is None and os.environ.get("DTRUN_NO_PYSPY", "").strip() == "1":
         via = "faulthandler"  # use the ranks' faulthandler even where py-spy is installed
     extra = (via,) if via else ()

@@ -122,6 +122,8 @@ def test_srun_launch_of_each_mpi(slurm, programs, flavor):
     dry = salloc(slurm, ["-N3", "-n6"], ["--mpirun", mpirun, "--dry-run", *prog])
     assert dry.returncode == 0, dry.stderr
     assert f"--mpi={PLUGIN[flavor]}" in dry.stdout and "--kill-on-bad-exit=1" in dry.stdout
+    # Open MPI crashed in MPI_Init under load on Slurm 22.05's tree fence (launcher/slurm.py PMIX_FENCE_WHY)
+    assert ("SLURM_PMIX_FENCE=ring" in dry.stdout) == (PLUGIN[flavor] == "pmix"), dry.stdout
     p = salloc(slurm, ["-N3", "-n6"], ["--mpirun", mpirun, *prog])
     assert p.returncode == 0, p.stdout + p.stderr
     h = slurm.nodes

@@ -90,7 +90,7 @@ def test_srun_command_for_open_mpi_5():
             for a in g.args]
     wrapper = list(spec.rank_wrapper)
     assert argv == ["env", "OMPI_MCA_pml=ob1", "OMPI_MCA_btl=self,sm,tcp", "OMPI_MCA_osc=^ucx",
-                    "OMPI_MCA_btl_tcp_if_exclude=lo,docker0",
+                    "OMPI_MCA_btl_tcp_if_exclude=lo,docker0", "SLURM_PMIX_FENCE=ring",
                     "NCCL_SOCKET_IFNAME=^lo,docker0", "MASTER_ADDR=n1", f"MASTER_PORT={spec.master_port}",
                     "TOKEN=s3cret", "/usr/bin/srun", "--ntasks=3", "--nodes=2", "--nodelist=n1,n2", "--mpi=pmix",
                     "--kill-on-bad-exit=1", "--cpus-per-task=2", "--export=ALL", "--label",
@@ -118,6 +118,23 @@ def test_mca_becomes_an_environment_variable_under_srun():
     # The name becomes part of a variable name: the one gate (launcher/safe.py) refuses it first.
     with pytest.raises(UsageError, match="--mca: invalid parameter name 'a b'"):
         _spec(OMPI4, mca=(("a b", "1"),))
+
+
+def test_open_mpi_gets_the_ring_fence_on_more_than_one_node():
+    """Slurm 22.05's tree fence does not wait for the other nodes (launcher/slurm.py PMIX_FENCE_WHY)."""
+    groups = slurm.build_srun_groups(_spec(OMPI4), OMPI4, ("pmix",))
+    assert [g.why for g in groups if "SLURM_PMIX_FENCE=ring" in g.args] == [slurm.PMIX_FENCE_WHY]
+    assert "TreeWidth" in slurm.cmd.format_dry_run(groups)
+    argv = [a for g in groups for a in g.args]
+    assert argv.index("SLURM_PMIX_FENCE=ring") < argv.index("srun")  # in srun's environment, as --export=ALL hands on
+
+    def fence_args(spec, flavor):
+        return [a for g in slurm.build_srun_groups(spec, flavor, ("pmix", "pmi2")) for a in g.args
+                if a.startswith("SLURM_PMIX_FENCE")]
+    assert fence_args(_spec(OMPI4, np=2), OMPI4) == []  # one node: nothing to wait for
+    assert fence_args(_spec(OMPI4, env=("SLURM_PMIX_FENCE=tree",)), OMPI4) == ["SLURM_PMIX_FENCE=tree"]
+    assert fence_args(_spec(OMPI5), OMPI5) == ["SLURM_PMIX_FENCE=ring"]
+    assert fence_args(_spec(MPICH4), MPICH4) == []  # pmi2: not this fence
 
 
 def test_secret_values_are_hidden_in_the_dry_run():
