@@ -6,6 +6,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dtrun-installed
+RUNTIME_STAMP := $(VENV)/.dtrun-runtime
+WHEELHOUSE := $(VENV)/wheelhouse
 N ?= 3
 
 # PyTorch CPU tensors are a supported array type: tested where the machine carries the CPU
@@ -14,14 +16,27 @@ TORCH_WHEELS ?= /opt/wheels
 
 .PHONY: setup system-packages demo test test-unit test-scale bench bench-scale cluster-up cluster-down docs clean
 
-$(STAMP): pyproject.toml setup.py collectives/_fastshm.c
+# The runtime: dtrun and its own dependencies only (what `make demo` needs).
+$(RUNTIME_STAMP): pyproject.toml setup.py collectives/_fastshm.c
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check -e .
+	touch $(RUNTIME_STAMP)
+
+# The tests' extras on top of the same .venv: pytest, py-spy, TensorFlow, PyTorch (CPU wheel),
+# build and pipx; and a wheelhouse for the packaging tests, which install dtrun into fresh
+# environments with no network at test time: dtrun's dependencies, and PyPI's own `checks`,
+# `collectives` and `launcher` distributions, which dtrun must install beside untouched.
+$(STAMP): $(RUNTIME_STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
 	@tag=$$($(BIN)/python -c 'import sys; print("cp%d%d" % sys.version_info[:2])'); \
 	whl=$$(ls $(TORCH_WHEELS)/torch-*+cpu-$$tag-*.whl 2>/dev/null | head -1); \
 	if [ -n "$$whl" ]; then echo "installing $$whl"; $(BIN)/pip install -q "$$whl"; \
 	else echo "no PyTorch CPU wheel for $$tag in $(TORCH_WHEELS): the torch tensor tests will skip with that reason"; fi
+	$(BIN)/python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
+		> $(VENV)/runtime-requirements.txt
+	rm -rf $(WHEELHOUSE) && $(BIN)/pip download -q --disable-pip-version-check -d $(WHEELHOUSE) \
+		-r $(VENV)/runtime-requirements.txt "setuptools>=64" wheel pip
+	$(BIN)/pip wheel -q --disable-pip-version-check --no-deps -w $(WHEELHOUSE)/neighbours checks collectives launcher
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -29,7 +44,7 @@ setup: $(STAMP)
 system-packages:
 	@bash .ci/system-packages
 
-demo: setup
+demo: $(RUNTIME_STAMP)
 	$(BIN)/dtrun --hostfile hostfiles/localhost $(abspath $(BIN))/python examples/hello.py
 
 test: system-packages setup

@@ -1,6 +1,6 @@
 """`make bench` driver for the collectives runtime: ours against raw mpi4py on localhost.
 
-Runs ``python -m collectives.bench`` under dtrun (mpirun if dtrun is not installed):
+Runs ``python -m dtrun.collectives.bench`` under dtrun (mpirun if dtrun is not installed):
 
 1. allreduce, 8 B to 64 MiB (factor 2), out of place and in place, on 2 and 3 ranks,
    with the machine as it is and with one core busy (a CPU hog pinned to core 0);
@@ -57,7 +57,7 @@ def launcher(nranks: int) -> list[str]:
 
 
 def bench(nranks: int, *args: str, env: dict | None = None) -> dict:
-    cmd = launcher(nranks) + [sys.executable, "-m", "collectives.bench", "--json", *args]
+    cmd = launcher(nranks) + [sys.executable, "-m", "dtrun.collectives.bench", "--json", *args]
     full_env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     full_env.update(env or {})
     t0 = time.monotonic()
@@ -365,8 +365,8 @@ def main() -> int:
         lines.append(f"- `{doc['command']}` ({doc['wall_s']} s)")
     lines.append("")
     OUT_DIR.mkdir(exist_ok=True)
-    (OUT_DIR / "collectives.md").write_text("\n".join(lines))
-    (OUT_DIR / "collectives.json").write_text(json.dumps(
+    (OUT_DIR / "dtrun.collectives.md").write_text("\n".join(lines))
+    (OUT_DIR / "dtrun.collectives.json").write_text(json.dumps(
         {"goals": goals, "runs": runs, "paths": tables, "grouped_256x4KiB": fused,
          "check_overhead": checks,
          "grouped_4x16MiB": fused_big, "hosts": hosts,
@@ -375,7 +375,7 @@ def main() -> int:
     for g in goals:
         print(f"{'MET ' if g['met'] else 'MISSED'}  {g['goal']}: {g['measured']:.2f} "
               f"(target {g['target']})")
-    print(f"wrote {OUT_DIR / 'collectives.md'} and {OUT_DIR / 'collectives.json'}")
+    print(f"wrote {OUT_DIR / 'dtrun.collectives.md'} and {OUT_DIR / 'dtrun.collectives.json'}")
     return 1 if wrong else 0
 
 

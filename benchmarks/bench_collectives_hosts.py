@@ -2,7 +2,7 @@
 
 Needs root (``tests/nscluster/`` builds 3 hosts out of network namespaces on this
 machine; they share its cores and talk over veth links, which are not a NIC, so only
-ratios mean something). For 1-64 MiB, ``python -m collectives.bench --baseline`` runs
+ratios mean something). For 1-64 MiB, ``python -m dtrun.collectives.bench --baseline`` runs
 under dtrun across the hosts, once per path forced with ``--path``, and once with the
 measured choice (``auto``):
 
@@ -49,7 +49,7 @@ def run(cluster, per_host: int, path: str, largest: str, rounds: int, iters: int
     if path != "auto":
         args += ["--path", path]
     cmd = [str(BIN / "dtrun"), "--no-tag-output", "--ssh-config", str(cluster.ssh_config), "-H", hosts,
-           sys.executable, "-m", "collectives.bench", *args]
+           sys.executable, "-m", "dtrun.collectives.bench", *args]
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=env,

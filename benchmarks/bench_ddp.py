@@ -81,7 +81,7 @@ def make_step(model, opt, x, y):
 def worker(args) -> None:
     import torch
 
-    import collectives.dp as dp
+    import dtrun.collectives.dp as dp
 
     torch.set_num_threads(1)  # 2 ranks on 2 cores: one compute thread each
     ctx = dp.init()
@@ -144,9 +144,9 @@ def main() -> int:
     ms = lambda s: f"{1000 * s:.1f}"  # noqa: E731
     rows = [
         ("torch DDP, gloo (2 ranks)", ms(med["ddp"]), ""),
-        ("collectives.dp DistributedOptimizer (2 ranks)", ms(med["dp"]),
+        ("dtrun.collectives.dp DistributedOptimizer (2 ranks)", ms(med["dp"]),
          f"{med['ddp'] / med['dp']:.2f}x DDP's speed"),
-        ("collectives.dp, allreduce after backward (2 ranks)", ms(med["dp-after"]),
+        ("dtrun.collectives.dp, allreduce after backward (2 ranks)", ms(med["dp-after"]),
          f"overlap saves {ms(med['dp-after'] - med['dp'])} ms per step"),
         ("1 rank, no communication", ms(med["local"]),
          f"scaling efficiency 1->2 ranks: dp {med['local'] / med['dp']:.0%}, "

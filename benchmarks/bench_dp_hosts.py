@@ -69,8 +69,8 @@ def bound_s(nbytes: int, hosts: int, fp16: bool = False) -> float:
 def _runners(rank: int):
     import torch
 
-    import collectives.dp as dp
-    import collectives.horovod.torch as hvd
+    import dtrun.collectives.dp as dp
+    import dtrun.collectives.horovod.torch as hvd
     from bench_ddp import batch, fresh_model, make_step
 
     def distributed(make):  # the optimizer wrapped by ``make(opt, named_parameters)``
@@ -107,9 +107,9 @@ def _bare_allreduce(nbytes: int, args) -> dict:
     import numpy as np
     from mpi4py import MPI
 
-    import collectives.dp as dp
+    import dtrun.collectives.dp as dp
 
-    from collectives.streamring import StreamRing
+    from dtrun.collectives.streamring import StreamRing
 
     comm = dp.init().comm
     buf = np.ones(nbytes // 4, np.float32)
@@ -168,8 +168,8 @@ def worker(args) -> None:
     import torch.distributed as dist
     from datetime import timedelta
 
-    import collectives.dp as dp
-    import collectives.horovod.torch as hvd
+    import dtrun.collectives.dp as dp
+    import dtrun.collectives.horovod.torch as hvd
 
     torch.set_num_threads(1)
     ctx = dp.init()

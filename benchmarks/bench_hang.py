@@ -31,7 +31,7 @@ REPS = int(os.environ.get("BENCH_REPS", "3"))
 TARGET_OVERHEAD = 0.01
 HANG = """import time
 import numpy as np
-import collectives
+from dtrun import collectives
 c = collectives.init()
 x = np.ones(8, np.float32)
 for _ in range(3):
@@ -43,7 +43,7 @@ c.allreduce(x)
 """
 OVERHEAD = r"""import json, os, sys, time
 import numpy as np
-import collectives
+from dtrun import collectives
 c = collectives.init()
 ring = c._rec
 assert ring is not None, "no flight recorder: DTRUN_JOB_DIR not set?"

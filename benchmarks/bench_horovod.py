@@ -44,8 +44,8 @@ from bench_ddp import BATCH, DEPTH, WIDTH, batch, fresh_model, make_step  # noqa
 def torch_worker(args) -> None:
     import torch
 
-    import collectives.dp as dp
-    import collectives.horovod.torch as hvd
+    import dtrun.collectives.dp as dp
+    import dtrun.collectives.horovod.torch as hvd
 
     torch.set_num_threads(1)
     hvd.init()
@@ -80,7 +80,7 @@ def torch_worker(args) -> None:
 def tf_worker(args) -> None:
     import socket
 
-    import collectives
+    from dtrun import collectives
     comm = collectives.init()
     # TF_CONFIG for MultiWorkerMirroredStrategy: one port per rank, picked on its own host.
     s = socket.socket()
@@ -96,8 +96,8 @@ def tf_worker(args) -> None:
     import keras
     import tensorflow as tf
 
-    import collectives.horovod.keras as hvd
-    import collectives.horovod.tensorflow as hvd_tf
+    import dtrun.collectives.horovod.keras as hvd
+    import dtrun.collectives.horovod.tensorflow as hvd_tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -164,7 +164,7 @@ def run_job(kind: str, args) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description="collectives.horovod against dp, DDP and TF's "
+    ap = argparse.ArgumentParser(description="dtrun.collectives.horovod against dp, DDP and TF's "
                                  "MultiWorkerMirroredStrategy, 2 ranks")
     ap.add_argument("--worker", choices=["torch", "tf"], help=argparse.SUPPRESS)
     add_timing_args(ap, rounds=7)
@@ -184,9 +184,9 @@ def main() -> int:
     # shared machine drifts between rounds more than between two neighbouring variants).
     slower = statistics.median(h / d for h, d in zip(t["hvd"], t["dp"])) - 1
     rows = [
-        ("collectives.horovod.torch DistributedOptimizer", ms(med["hvd"]),
+        ("dtrun.collectives.horovod.torch DistributedOptimizer", ms(med["hvd"]),
          f"{slower:+.1%} against collectives.dp (median of per-round ratios)"),
-        ("collectives.dp DistributedOptimizer", ms(med["dp"]), ""),
+        ("dtrun.collectives.dp DistributedOptimizer", ms(med["dp"]), ""),
         ("torch DDP, gloo", ms(med["ddp"]), f"hvd gives {med['ddp'] / med['hvd']:.2f}x DDP's speed"),
         ("Horovod 0.28.1", "-", "does not build against PyTorch 2.x here (C++14; see docs/data-parallel.md)"),
         ("Keras 3 train_on_batch, collectives.horovod.keras DistributedOptimizer",

@@ -36,8 +36,8 @@ def timed(argv) -> float:
 
 
 def bare_mpirun_argv() -> list[str]:
-    from launcher.command import build_command
-    from launcher.launch import LaunchOptions, prepare
+    from dtrun.launcher.command import build_command
+    from dtrun.launcher.launch import LaunchOptions, prepare
 
     opts = LaunchOptions(program=tuple(PROG), np=2, host_list="localhost:2", rank_wrapper=False)
     prepared = prepare(opts, environ=env())  # resolve `python` as the dtrun runs do

@@ -42,8 +42,8 @@ READER = ("import sys, time\nd = float(sys.argv[1])\nn = 0\nwhile True:\n    b =
 
 
 def bare_argv(cluster, host, writer: str = WRITER) -> list[str]:
-    from launcher.command import build_command
-    from launcher.launch import LaunchOptions, prepare
+    from dtrun.launcher.command import build_command
+    from dtrun.launcher.launch import LaunchOptions, prepare
 
     opts = LaunchOptions(program=(str(BIN / "python"), "-c", writer), host_list=f"{host}:1",
                          ssh_config=str(cluster.ssh_config), rank_wrapper=False, tag_output=False)

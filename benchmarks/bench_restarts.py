@@ -38,10 +38,10 @@ EXAMPLE = str(REPO / "examples" / "train_resume.py")
 
 def child(argv_json: str, out_json: str) -> int:
     """Run dtrun's launch in this process and write the restart timings."""
-    from checks.hostcheck import check_hosts
-    from checks.preflight import preflight
-    from launcher import launch, restarts
-    from launcher.launch import LaunchOptions
+    from dtrun.checks.hostcheck import check_hosts
+    from dtrun.checks.preflight import preflight
+    from dtrun.launcher import launch, restarts
+    from dtrun.launcher.launch import LaunchOptions
 
     kw = json.loads(argv_json)
     opts = LaunchOptions(program=tuple(kw.pop("program")), **kw)

@@ -39,7 +39,7 @@ TARGET_OVERHEAD = 0.01
 
 OVERHEAD = r"""import json, sys, time
 import numpy as np
-import collectives
+from dtrun import collectives
 c = collectives.init()
 assert c._rec is not None, "no flight recorder: DTRUN_JOB_DIR not set?"
 x = np.ones(2, np.float32)  # 8 bytes
@@ -63,7 +63,7 @@ if c.rank == 0:
 
 TURN = """import time
 import numpy as np
-import collectives
+from dtrun import collectives
 c = collectives.init()
 x = np.ones(8, np.float32)
 print("up", flush=True)
@@ -87,7 +87,7 @@ while time.time() - t0 < BALANCED_S + 25:
 
 STEPS = """import json, time
 import numpy as np
-import collectives
+from dtrun import collectives
 c = collectives.init()
 x = np.ones(2, np.float32)
 a = np.random.default_rng(c.rank).random((160, 160))

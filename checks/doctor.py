@@ -19,12 +19,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from checks import env, firewall, gpu, network
-from checks import e2e as e2e_check
-from checks.errors import CheckError
-from checks.probereport import ProbeReport, probe_report
-from checks.result import CHECKS, FAIL, NA, OK, SYMBOL, WARN, Finding, worst
-from launcher.errors import ExitCode, UsageError
+from dtrun.checks import env, firewall, gpu, network
+from dtrun.checks import e2e as e2e_check
+from dtrun.checks.errors import CheckError
+from dtrun.checks.probereport import ProbeReport, probe_report
+from dtrun.checks.result import CHECKS, FAIL, NA, OK, SYMBOL, WARN, Finding, worst
+from dtrun.launcher.errors import ExitCode, UsageError
 
 MAX_WORKERS = 32
 
@@ -179,9 +179,9 @@ def run_doctor(spec: DoctorSpec) -> int:
     """Resolve the hosts, run every check, print the table (or JSON); return the exit code."""
     import threading
 
-    from checks import ssh
-    from launcher.hosts import resolve_hosts
-    from launcher.safe import seconds
+    from dtrun.checks import ssh
+    from dtrun.launcher.hosts import resolve_hosts
+    from dtrun.launcher.safe import seconds
 
     # paramiko's import (~60 ms) goes on while the hosts are resolved and this host's probe starts.
     threading.Thread(target=ssh.import_paramiko, name="import-paramiko", daemon=True).start()
@@ -211,7 +211,7 @@ def diagnose(spec: DoctorSpec, selection, live: bool = False) -> DoctorReport:
 
 
 def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport:
-    from checks import ssh
+    from dtrun.checks import ssh
 
     t_start = time.monotonic()
     flavor, cfg_path, hosts, request = _prepare(spec, selection)
@@ -265,11 +265,11 @@ def _diagnose(spec: DoctorSpec, selection, progress: "Progress") -> DoctorReport
 
 def _prepare(spec: DoctorSpec, selection):
     """The MPI flavor, the ssh config, the hosts (local probes already started) and the probe request."""
-    from checks import ssh
-    from checks.probe import start_probe
-    from launcher.flavors import detect_flavor, find_mpirun
-    from launcher.hosts import is_local
-    from launcher.sshconf import job_ssh_files
+    from dtrun.checks import ssh
+    from dtrun.checks.probe import start_probe
+    from dtrun.launcher.flavors import detect_flavor, find_mpirun
+    from dtrun.launcher.hosts import is_local
+    from dtrun.launcher.sshconf import job_ssh_files
 
     flavor = detect_flavor(find_mpirun())
     cfg_path = ssh.ssh_config_path(spec.ssh_config, selection.ssh_config)
@@ -299,8 +299,8 @@ def _connect_and_probe(spec: DoctorSpec, r: HostRun, request: dict) -> list[Find
     Raises:
         CheckError: the host cannot be reached or its probe did not answer.
     """
-    from checks import ssh
-    from checks.probe import start_probe
+    from dtrun.checks import ssh
+    from dtrun.checks.probe import start_probe
 
     t0 = time.monotonic()
     try:
@@ -393,7 +393,7 @@ def _end_to_end(spec: DoctorSpec, runs, findings, flavor, rec, job_cfg):
 
 def _job_ssh_config(selection, cfg_path: Optional[str]) -> Optional[str]:
     """The ssh config mpirun gets: the user's, plus the cluster file's per-host settings."""
-    from launcher.sshconf import write_job_config
+    from dtrun.launcher.sshconf import write_job_config
 
     return write_job_config(selection, cfg_path)
 
@@ -409,7 +409,7 @@ def _address_on(net, ifs) -> Optional[str]:
 
 def _ssh_hops(spec: DoctorSpec, names: list, launcher_in_list: bool):
     """Which host-to-host ssh hops to try, and why (pure)."""
-    from launcher.command import tree_radix
+    from dtrun.launcher.command import tree_radix
 
     if spec.all_pairs:
         return [(a, b) for a in names for b in names if a != b], "--all-pairs"
@@ -426,7 +426,7 @@ def _pairs_phase(spec: DoctorSpec, hosts: _Hosts, rec, ifaces, launcher_ifs, job
     """
     import ipaddress
 
-    from checks import ssh
+    from dtrun.checks import ssh
 
     net = ipaddress.ip_network(rec.cidr)
     live = [r for r in hosts.everyone if r.report and r.report.port and r.probe]
@@ -460,7 +460,7 @@ def _links_phase(spec: DoctorSpec, hosts: _Hosts, rec, ifaces):
     """
     import ipaddress
 
-    from checks import links
+    from dtrun.checks import links
 
     t0 = time.monotonic()
     net = ipaddress.ip_network(rec.cidr)

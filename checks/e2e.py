@@ -19,7 +19,7 @@ from itertools import combinations
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from checks.result import FAIL, OK, Finding
+from dtrun.checks.result import FAIL, OK, Finding
 
 CHECK = "e2e"
 JOB = str(Path(__file__).with_name("e2e_job.py"))

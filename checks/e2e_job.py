@@ -31,7 +31,7 @@ def main(argv):
     if "--smoke" not in argv:
         return 0
     try:
-        from collectives import smoke
+        from dtrun.collectives import smoke
     except ImportError as exc:
         print(f"{MARK} no-smoke {exc}", flush=True)
         return 0

@@ -12,8 +12,8 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
-from checks.probereport import ProbeReport, probe_report
-from checks.result import FAIL, OK, WARN, Finding
+from dtrun.checks.probereport import ProbeReport, probe_report
+from dtrun.checks.result import FAIL, OK, WARN, Finding
 
 CHECK = "env"
 DAEMONS = {("openmpi", 5): "prted", ("openmpi", 4): "orted", ("mpich", 0): "hydra_pmi_proxy"}
@@ -48,7 +48,7 @@ class LocalFacts:
 
     def probe_request(self) -> dict:
         """What the probe needs to look at; data, sent as JSON."""
-        from launcher.remote.probe import NAMES, signature
+        from dtrun.launcher.remote.probe import NAMES, signature
 
         paths = {"python": self.python, "cwd": self.cwd, "mpirun": self.mpirun}
         if self.daemon_path:
@@ -77,8 +77,8 @@ def local_facts(flavor, local_report: Union[ProbeReport, Mapping, None], program
 
 def _mpi_label(text: Optional[str]) -> Optional[str]:
     """'Open MPI 4.1.4' from --version output, or the first line when dtrun does not know it."""
-    from launcher.errors import MpiFlavorError
-    from launcher.flavors import Flavor, parse_version_output
+    from dtrun.launcher.errors import MpiFlavorError
+    from dtrun.launcher.flavors import Flavor, parse_version_output
 
     if not text:
         return None

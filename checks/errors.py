@@ -6,7 +6,7 @@ error and every failure reaches the user as "host: cause — fix".
 """
 from __future__ import annotations
 
-from launcher.errors import DtrunError
+from dtrun.launcher.errors import DtrunError
 
 
 class CheckError(DtrunError):

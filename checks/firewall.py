@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Mapping
 
-from checks.result import FAIL, OK, Finding
+from dtrun.checks.result import FAIL, OK, Finding
 
 CHECK = "firewall"
 CONNECT_TIMEOUT_S = 2.0

@@ -10,8 +10,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
-from checks.probereport import ProbeReport, probe_report
-from checks.result import FAIL, NA, OK, WARN, Finding
+from dtrun.checks.probereport import ProbeReport, probe_report
+from dtrun.checks.result import FAIL, NA, OK, WARN, Finding
 
 CHECK = "gpu"
 

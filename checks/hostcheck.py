@@ -30,17 +30,17 @@ def short_reason(detail: str) -> str:
 def check_hosts(opts, selection, hosts: Sequence, environ: Optional[Mapping[str, str]] = None,
                 timeout: Optional[float] = None) -> dict[str, str]:
     """Check ``hosts`` (``HostSlots``) of a failed job; return {host: why it failed} for those that did."""
-    from launcher.hosts import SLURM_SOURCE, is_local
-    from launcher.slurm import current_allocation
+    from dtrun.launcher.hosts import SLURM_SOURCE, is_local
+    from dtrun.launcher.slurm import current_allocation
 
     environ = os.environ if environ is None else environ
     if selection is not None and selection.source == SLURM_SOURCE and current_allocation(environ) is not None:
-        from launcher.slurm import find_srun
+        from dtrun.launcher.slurm import find_srun
 
         return slurm_nodes(find_srun(environ) or "srun", [h.host for h in hosts],
                            SLURM_TIMEOUT_S if timeout is None else timeout)
-    from checks.preflight import reachable
-    from checks.ssh import ssh_config_path
+    from dtrun.checks.preflight import reachable
+    from dtrun.checks.ssh import ssh_config_path
 
     cfg = ssh_config_path(getattr(opts, "ssh_config", None), selection.ssh_config if selection else None, environ)
     remote = [h for h in hosts if not is_local(h.host)]
@@ -50,7 +50,7 @@ def check_hosts(opts, selection, hosts: Sequence, environ: Optional[Mapping[str,
 
 def slurm_nodes(srun: str, nodes: Sequence[str], timeout: float) -> dict[str, str]:
     """A one-task step on every node at once; {node: why} for each one where it did not run."""
-    from launcher.safe import plain_text
+    from dtrun.launcher.safe import plain_text
 
     procs = {}
     bad: dict[str, str] = {}

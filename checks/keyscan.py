@@ -12,8 +12,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
-from checks.errors import HostKeyChanged, HostKeyRevoked, HostKeyUnknown
-from launcher.errors import ExitCode, UsageError
+from dtrun.checks.errors import HostKeyChanged, HostKeyRevoked, HostKeyUnknown
+from dtrun.launcher.errors import ExitCode, UsageError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +29,7 @@ class KeyscanSpec:
 
 def fetch_key(target, timeout: float):
     """The host key ``target`` presents (negotiation only; no authentication is attempted)."""
-    from checks.ssh import handshake, import_paramiko, tcp_connect
+    from dtrun.checks.ssh import handshake, import_paramiko, tcp_connect
 
     paramiko = import_paramiko()
 
@@ -63,8 +63,8 @@ def append_known_host(path: str, line: str) -> None:
 
 
 def _names(spec: KeyscanSpec):
-    from launcher.hostfile import parse_host_list
-    from launcher.hosts import resolve_hosts
+    from dtrun.launcher.hostfile import parse_host_list
+    from dtrun.launcher.hosts import resolve_hosts
 
     if spec.hosts:
         if spec.host_list or spec.hostfile or spec.cluster:
@@ -91,9 +91,9 @@ def ask(question: str, stdin: Optional[TextIO], out: TextIO) -> bool:
 
 def keyscan(spec: KeyscanSpec, stdin: Optional[TextIO] = None, out: Optional[TextIO] = None) -> int:
     """Fetch, show and (after confirmation) record each host's key; 0 when every host ends up known."""
-    from checks import ssh
-    from launcher.hosts import is_local
-    from launcher.safe import seconds
+    from dtrun.checks import ssh
+    from dtrun.launcher.hosts import is_local
+    from dtrun.launcher.safe import seconds
 
     stdin = sys.stdin if stdin is None else stdin
     out = sys.stdout if out is None else out

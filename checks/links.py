@@ -22,7 +22,7 @@ import statistics
 from collections import defaultdict
 from typing import Mapping, Optional, Sequence
 
-from checks.result import OK, WARN, Finding
+from dtrun.checks.result import OK, WARN, Finding
 
 CHECK = "network"
 ALL_PAIRS_MAX_HOSTS = 8

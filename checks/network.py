@@ -14,9 +14,9 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
-from checks.probereport import ProbeReport, probe_report
-from checks.result import FAIL, OK, WARN, Finding
-from launcher.interfaces import VIRTUAL, Interface, local_interfaces, parse_ip_json
+from dtrun.checks.probereport import ProbeReport, probe_report
+from dtrun.checks.result import FAIL, OK, WARN, Finding
+from dtrun.launcher.interfaces import VIRTUAL, Interface, local_interfaces, parse_ip_json
 
 CHECK = "network"
 __all__ = ["CHECK", "Interface", "LAUNCHER", "Recommendation", "VIRTUAL", "interfaces_of", "local_interfaces",
@@ -84,8 +84,8 @@ class Recommendation:
 
 def openmpi_include_args(cidr: str, flavor) -> list[str]:
     """The include flags dtrun itself emits (launcher.command), so the advice matches the launch."""
-    from launcher import command as cmd
-    from launcher.flavors import OPENMPI, Flavor
+    from dtrun.launcher import command as cmd
+    from dtrun.launcher.flavors import OPENMPI, Flavor
 
     flavor = flavor or Flavor(OPENMPI, (5, 0, 0))
     spec = cmd.LaunchSpec(program=("true",), hosts=(), np=1, include_iface=(cidr,), iface_reason="doctor")

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from checks.errors import CheckError, PreflightError
-from checks.result import FAIL, Finding
+from dtrun.checks.errors import CheckError, PreflightError
+from dtrun.checks.result import FAIL, Finding
 
 CACHE_TTL_S = 300.0
 CLOCK_SKEW_S = 60.0  # a cache entry stamped later than this from now was not written by this clock
@@ -50,7 +50,7 @@ class PreflightResult:
 
 
 def _cache_dir() -> Path:
-    from launcher.paths import cache_dir as dtrun_cache
+    from dtrun.launcher.paths import cache_dir as dtrun_cache
 
     return dtrun_cache() / "preflight"
 
@@ -105,7 +105,7 @@ def _subnet(value: str) -> "ipaddress.IPv4Network":
     """A subnet as the preflight writes one: IPv4 CIDR in its normal form (``10.0.0.0/24``)."""
     import ipaddress
 
-    from launcher import safe
+    from dtrun.launcher import safe
 
     if not _is_str(value) or "/" not in value or safe.iface(value, "include") != value:
         raise BadCacheEntry(f"include {value!r} is not a subnet in CIDR form")
@@ -116,7 +116,7 @@ def _subnet(value: str) -> "ipaddress.IPv4Network":
 
 
 def _iface_name(value) -> str:
-    from launcher import safe
+    from dtrun.launcher import safe
 
     try:
         if _is_str(value) and "/" not in value and safe.iface(value, "interface") == value:
@@ -141,7 +141,7 @@ def validate_entry(data, remote_hosts: Optional[tuple] = None, local_ifaces=None
     Hydra's -iface), so each one must pass the grammar the command line itself uses, and
     the subnet must be one that every host listed has an address on.
     """
-    from launcher.errors import InvalidValue
+    from dtrun.launcher.errors import InvalidValue
 
     if not isinstance(data, dict) or set(data) != {"time", "include", "nccl", "host_ifaces"}:
         raise BadCacheEntry("not a preflight result dtrun wrote")
@@ -270,8 +270,8 @@ def write_cache(key: str, result: PreflightResult) -> None:
 
 def check(hosts, ssh_config: Optional[str], timeout: float = TIMEOUT_S) -> PreflightResult:
     """SSH to every remote host and pick the shared subnet; never raises for a host's problem."""
-    from checks import network, ssh
-    from launcher.hosts import is_local
+    from dtrun.checks import network, ssh
+    from dtrun.launcher.hosts import is_local
 
     config = ssh.load_ssh_config(ssh_config)
     remote = [h for h in hosts if not is_local(h.host)]
@@ -305,8 +305,8 @@ def check(hosts, ssh_config: Optional[str], timeout: float = TIMEOUT_S) -> Prefl
 
 def _ssh_banner(target, timeout: float) -> str:
     """Connect to the host's sshd and read its banner line: the cheap proof that it is alive."""
-    from checks import ssh
-    from checks.errors import SshProtocolError
+    from dtrun.checks import ssh
+    from dtrun.checks.errors import SshProtocolError
 
     sock = ssh.tcp_connect(target, timeout)
     try:
@@ -332,8 +332,8 @@ def _ssh_banner(target, timeout: float) -> str:
 
 def reachable(hosts, ssh_config: Optional[str], timeout: float = TIMEOUT_S) -> tuple[Finding, ...]:
     """A finding for every remote host whose sshd does not answer within ``timeout`` (all in parallel)."""
-    from checks import ssh
-    from launcher.hosts import is_local
+    from dtrun.checks import ssh
+    from dtrun.launcher.hosts import is_local
 
     config = ssh.load_ssh_config(ssh_config)
     targets = [ssh.ssh_target(h, config, ssh_config) for h in hosts if not is_local(h.host)]
@@ -342,7 +342,7 @@ def reachable(hosts, ssh_config: Optional[str], timeout: float = TIMEOUT_S) -> t
 
 def choice_of(result: PreflightResult):
     """The interface choice a passing result makes (``launcher.netinfo.InterfaceChoice``), or None."""
-    from launcher.netinfo import InterfaceChoice
+    from dtrun.launcher.netinfo import InterfaceChoice
 
     if not result.include and not result.host_ifaces:
         return None
@@ -358,13 +358,13 @@ def preflight(opts, selection, flavor, environ: Optional[Mapping[str, str]] = No
     Raises:
         PreflightError: a host cannot be reached over ssh without a prompt (the finding is printed).
     """
-    from checks.ssh import ssh_config_path
+    from dtrun.checks.ssh import ssh_config_path
 
     environ = os.environ if environ is None else environ
     cfg = ssh_config_path(opts.ssh_config, selection.ssh_config, environ)
     key = cache_key(selection.hosts, cfg)
-    from launcher.hosts import is_local
-    from launcher.interfaces import local_interfaces
+    from dtrun.launcher.hosts import is_local
+    from dtrun.launcher.interfaces import local_interfaces
 
     remote = tuple(h.host for h in selection.hosts if not is_local(h.host))
     result = read_cache(key, remote_hosts=remote, local_ifaces=local_interfaces,

@@ -18,8 +18,8 @@ import tempfile
 import time
 from typing import Optional
 
-from checks.errors import CheckTimeout, RemoteCommandError
-from launcher.remote import bundle
+from dtrun.checks.errors import CheckTimeout, RemoteCommandError
+from dtrun.launcher.remote import bundle
 
 # One program holding the probe and the modules it imports (launcher.remote.bundle), so it runs
 # on a host that has no copy of dtrun: the probe reports its host's stale Open MPI session

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from checks.errors import (
+from dtrun.checks.errors import (
     AuthenticationError,
     CheckTimeout,
     ConnectRefused,
@@ -102,7 +102,7 @@ def ssh_config_path(given: Optional[str], from_cluster_file: Optional[str] = Non
     Raises:
         UsageError: an empty --ssh-config, or the file named does not exist.
     """
-    from launcher.sshconf import base_ssh_config
+    from dtrun.launcher.sshconf import base_ssh_config
 
     return base_ssh_config(given, from_cluster_file, os.environ if environ is None else environ) \
         or default_ssh_config()
@@ -112,7 +112,7 @@ def load_ssh_config(path: Optional[str]):
     """A ``paramiko.SSHConfig`` for ``path`` (an empty one for None)."""
     paramiko = import_paramiko()
 
-    from launcher.errors import UsageError
+    from dtrun.launcher.errors import UsageError
 
     if not path:
         return paramiko.SSHConfig()
@@ -139,7 +139,7 @@ def ssh_target(host, config=None, config_path: Optional[str] = None) -> SshTarge
     the ssh config, as they do in the config dtrun writes for mpirun.
     """
     name = getattr(host, "host", host)
-    from launcher.errors import UsageError
+    from dtrun.launcher.errors import UsageError
 
     try:
         opts = config.lookup(name) if config is not None else {}
@@ -605,8 +605,8 @@ def fan_out(items: Sequence, work, workers: int = 32, key=lambda item: item.name
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from checks.errors import CheckError
-    from checks.result import HostResults
+    from dtrun.checks.errors import CheckError
+    from dtrun.checks.result import HostResults
 
     def one(item):
         try:

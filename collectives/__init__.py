@@ -1,6 +1,6 @@
 """dtrun's collectives runtime: MPI collectives on NumPy, PyTorch and GPU arrays.
 
-    import collectives
+    from dtrun import collectives
     comm = collectives.init()            # = collectives.world()
     y = comm.allreduce(x, op="avg")      # new array
     comm.allreduce(x, inplace=True)      # MPI_IN_PLACE

@@ -1,6 +1,6 @@
 """Collective benchmark with nccl-tests' conventions (``dtrun bench`` calls ``main``).
 
-    dtrun -np 2 python -m collectives.bench -b 8 -e 64M -f 2 -o allreduce --baseline
+    dtrun -np 2 python -m dtrun.collectives.bench -b 8 -e 64M -f 2 -o allreduce --baseline
 
 Flags follow nccl-tests (-b/-e/-f/-w/-n/-d/-r, plus -c for the data check), except that
 ``-o`` selects the collective (nccl-tests has one binary per collective) and the
@@ -56,7 +56,7 @@ BUSBW_FACTOR = {
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's options (``dtrun bench --help`` shows them, and routes them here)."""
     p = argparse.ArgumentParser(
-        prog="python -m collectives.bench",
+        prog="python -m dtrun.collectives.bench",
         description="Time collectives over a range of sizes and print size, time, algbw and busbw "
                     "(GB/s) per size, as nccl-tests does, with a check of the results (#wrong). "
                     "Sizes go from -b to -e, multiplied by -f each step.")

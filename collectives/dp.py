@@ -2,7 +2,7 @@
 
 What Horovod gives a training script, in four lines::
 
-    import collectives.dp as dp
+    import dtrun.collectives.dp as dp
     ctx = dp.init()                                   # rank, size, local_rank, device
     dp.broadcast_parameters(model, root=0)            # everyone starts from rank 0's weights
     opt = dp.DistributedOptimizer(opt, named_parameters=model.named_parameters())

@@ -162,7 +162,7 @@ def open_exchange(comm: Any, add, scale, copy) -> HostExchange | None:
         return HostExchange(comm, add, scale, copy)
     except RingError as e:
         if comm.rank == 0:
-            print(f"collectives.dp: {e.problem}; gradients go through MPI between hosts instead",
+            print(f"dtrun.collectives.dp: {e.problem}; gradients go through MPI between hosts instead",
                   file=sys.stderr, flush=True)
         return None
 

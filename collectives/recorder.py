@@ -29,7 +29,7 @@ import mmap
 import os
 import stat
 
-from launcher.remote import wire as _wire
+from dtrun.launcher.remote import wire as _wire
 
 # The format's names as this package (and its tests) know them.
 MAGIC, VERSION, INSIDE_WORD = _wire.REC_MAGIC, _wire.REC_VERSION, _wire.REC_INSIDE_WORD

@@ -50,7 +50,7 @@ def available() -> bool:
 def why_not() -> str:
     """Why ``available()`` is false, for messages."""
     if _fastshm is None:
-        return "collectives._fastshm is not built (no C compiler or Python headers at install)"
+        return "dtrun.collectives._fastshm is not built (no C compiler or Python headers at install)"
     return "DTRUN_COMPILED=0"
 
 

@@ -1,6 +1,6 @@
 """Smoke test: every collective, several dtypes and sizes, checked on every rank.
 
-Run under a launcher, e.g. ``dtrun -np 4 python -m collectives.smoke`` (``dtrun
+Run under a launcher, e.g. ``dtrun -np 4 python -m dtrun.collectives.smoke`` (``dtrun
 smoke`` calls ``main``). Inputs are small integers, so every expected value is exact
 in every dtype (bfloat16 holds integers up to 256 exactly) and results are compared
 bit for bit. Rank 0 gathers what each rank saw and prints one table.
@@ -45,7 +45,7 @@ class SmokeExit(IntEnum):
 def build_parser() -> argparse.ArgumentParser:
     """The smoke test's options (``dtrun smoke --help`` shows them, and routes them here)."""
     p = argparse.ArgumentParser(
-        prog="python -m collectives.smoke",
+        prog="python -m dtrun.collectives.smoke",
         description="Check every collective on every rank: each operation, dtype and size is run with "
                     "exact small-integer inputs and compared bit for bit; rank 0 prints one table. "
                     "A collective that does not finish within --timeout is reported as a hang. "

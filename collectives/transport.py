@@ -16,6 +16,7 @@ The functions take the ``Comm`` they serve and set or read its transport attribu
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -50,12 +51,20 @@ def open_transports(c: Any, use_shm: bool) -> None:
         c._ring = Ring(c.mpi.Dup())
 
 
+_SAID_NOT_BUILT: list = []  # the one line about a missing compiled engine, once printed
+
+
 def open_engine(c: Any, fallback) -> None:
     """The compiled engine (shm1.py), when built: over the host's shared memory on one
     host with the shared-memory path on (collective over the host), else for the
     recorder's store only. ``fallback`` takes the allreduce calls it does not."""
     c._engine = c._engine_win = None
     if not _shm1.available():
+        if _shm1._fastshm is None and c.rank == 0 and c.size > 1 and not _SAID_NOT_BUILT:
+            # Once per process: an install without a C compiler still works, more slowly.
+            _SAID_NOT_BUILT.append(True)
+            print(f"dtrun.collectives: {_shm1.why_not()}: collectives take the Python and MPI paths",
+                  file=sys.stderr, flush=True)
         return
     node = c._node_comm if c._shm is not None and c.nnodes == 1 else None
     c._engine, c._engine_win = _shm1.engine(node, fallback)

@@ -1,7 +1,7 @@
 """The command reference page, generated from the CLI itself so that it cannot drift.
 
-It runs ``python -m launcher --help`` and ``python -m launcher SUB --help`` for every
-subcommand (``launcher.cli.SUBCOMMANDS``) with the Python that runs this script, and
+It runs ``python -m dtrun --help`` and ``python -m dtrun SUB --help`` for every
+subcommand (``dtrun.launcher.cli.SUBCOMMANDS``) with the Python that runs this script, and
 renders their output as one Markdown page. ``docs/hooks.py`` calls ``render()`` on every
 ``mkdocs build``, so the page exists only in the built site (``reference.md`` is never a
 file in the tree). By hand: ``python docs/gen_cli_reference.py [OUT.md]`` (stdout without OUT).
@@ -22,7 +22,7 @@ def subcommands() -> tuple[str, ...]:
     """The subcommand names, as the CLI lists them."""
     sys.path.insert(0, str(ROOT))
     try:
-        from launcher.cli import SUBCOMMANDS
+        from dtrun.launcher.cli import SUBCOMMANDS
     finally:
         sys.path.remove(str(ROOT))
     return tuple(SUBCOMMANDS)
@@ -31,7 +31,7 @@ def subcommands() -> tuple[str, ...]:
 def cli_help(*args: str) -> str:
     """``dtrun ARGS --help`` as the CLI prints it; raises if the CLI fails."""
     env = {**os.environ, **_ENV}
-    proc = subprocess.run([sys.executable, "-m", "launcher", *args, "--help"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "dtrun", *args, "--help"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
         raise RuntimeError(f"dtrun {' '.join(args)} --help exited with {proc.returncode}: "

@@ -8,8 +8,7 @@ import sys
 
 import numpy as np
 
-import collectives
-
+from dtrun import collectives
 N = 100_000
 TRIALS = 10
 

@@ -6,9 +6,7 @@ import sys
 
 import numpy as np
 
-import collectives
-
-
+from dtrun import collectives
 def main() -> int:
     comm = collectives.init()
     rank, size = comm.rank, comm.size

@@ -1,6 +1,6 @@
 """Horovod's Keras MNIST example on dtrun, for Keras 3: only the import differs.
 
-    import collectives.horovod.keras as hvd     # was: import horovod.tensorflow.keras as hvd
+    import dtrun.collectives.horovod.keras as hvd     # was: import horovod.tensorflow.keras as hvd
 
 The data is made here (10 classes of noisy 16x16 stroke patterns; nothing is downloaded).
 
@@ -18,7 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-import collectives.horovod.keras as hvd  # noqa: E402
+import dtrun.collectives.horovod.keras as hvd  # noqa: E402
 
 CLASSES, SIDE = 10, 16
 

@@ -1,6 +1,6 @@
 """Horovod's PyTorch MNIST example, shape for shape, on dtrun: only the import differs.
 
-    import collectives.horovod.torch as hvd     # was: import horovod.torch as hvd
+    import dtrun.collectives.horovod.torch as hvd     # was: import horovod.torch as hvd
 
 The data is made here (examples/train_mnist_like.py: nothing is downloaded). Each rank
 takes its shard of the training set, as Horovod's example does with a DistributedSampler.
@@ -16,7 +16,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-import collectives.horovod.torch as hvd
+import dtrun.collectives.horovod.torch as hvd
 from train_mnist_like import Net, make_data
 
 

@@ -1,6 +1,6 @@
 """Horovod's TensorFlow 2 MNIST example (a GradientTape loop) on dtrun: only the import differs.
 
-    import collectives.horovod.tensorflow as hvd     # was: import horovod.tensorflow as hvd
+    import dtrun.collectives.horovod.tensorflow as hvd     # was: import horovod.tensorflow as hvd
 
     dtrun -np 2 -H localhost:2 python examples/horovod_tensorflow2_mnist.py
 """
@@ -14,7 +14,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import collectives.horovod.tensorflow as hvd  # noqa: E402
+import dtrun.collectives.horovod.tensorflow as hvd  # noqa: E402
 from horovod_keras_mnist import CLASSES, SIDE, make_data  # noqa: E402
 
 

@@ -8,8 +8,7 @@ import sys
 
 import numpy as np
 
-import collectives
-
+from dtrun import collectives
 PING_PONG_LIMIT = 10
 
 

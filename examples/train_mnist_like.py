@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-import collectives.dp as dp
+import dtrun.collectives.dp as dp
 
 BATCH, CLASSES, SIDE = 64, 10, 16
 

@@ -108,7 +108,7 @@ class CollectivesRuntime:
     """The same with dtrun's collectives.dp."""
 
     def __init__(self):
-        import collectives.dp as dp
+        import dtrun.collectives.dp as dp
 
         self.dp = dp
         ctx = dp.init()

@@ -1,3 +1,3 @@
-from launcher.entry import main
+from dtrun.launcher.entry import main
 
 main()

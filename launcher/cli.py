@@ -13,9 +13,9 @@ from typing import List, Optional
 
 import typer
 
-from launcher.errors import DtrunError, ExitCode, UsageError, signal_name
-from launcher.job import stopsignals
-from launcher.optargs import _MCA_KEY, no_such_option, option_table, split_launch_argv
+from dtrun.launcher.errors import DtrunError, ExitCode, UsageError, signal_name
+from dtrun.launcher.job import stopsignals
+from dtrun.launcher.optargs import _MCA_KEY, no_such_option, option_table, split_launch_argv
 
 SUBCOMMANDS = ("hosts", "smoke", "bench", "doctor", "keyscan", "completion", "stacks", "top")
 TOOLS = ("smoke", "bench")
@@ -34,7 +34,7 @@ _SSH_CONFIG = typer.Option(None, "--ssh-config", help="ssh config file for reach
 
 def _show_version(value: bool) -> None:
     if value:
-        from launcher.version import version_text
+        from dtrun.launcher.version import version_text
 
         print(version_text())
         raise typer.Exit(0)
@@ -85,7 +85,7 @@ def run(
                                  help="Print dtrun's version and the MPI it would use, then exit."),
 ):
     """Launch PROGRAM on the hosts with mpirun, with the flags experienced users add by hand."""
-    from launcher.launch import LaunchOptions, launch
+    from dtrun.launcher.launch import LaunchOptions, launch
 
     opts = LaunchOptions(
         program=tuple(program or ()), np=np, host_list=host_list, hostfile=hostfile, cluster=cluster,
@@ -99,8 +99,8 @@ def run(
     )
     # The CLI is the one place that joins the launcher and the checks: the preflight returns
     # an interface choice that the launch applies (launcher/ itself never imports checks/).
-    from checks.hostcheck import check_hosts
-    from checks.preflight import preflight
+    from dtrun.checks.hostcheck import check_hosts
+    from dtrun.checks.preflight import preflight
 
     raise typer.Exit(launch(opts, preflight, check_hosts))
 
@@ -143,7 +143,7 @@ def hosts_cmd(
     **hosts,
 ):
     """Print the resolved hosts and slots."""
-    from launcher.hostsview import HostsQuery, show_hosts
+    from dtrun.launcher.hostsview import HostsQuery, show_hosts
 
     raise typer.Exit(show_hosts(HostsQuery(**_host_fields(hosts), json_out=json_out)))
 
@@ -166,7 +166,7 @@ def doctor_cmd(
     **hosts,
 ):
     """Check ssh, environment, network, firewall and GPUs on every host; say what to fix."""
-    from checks.doctor import DoctorSpec, run_doctor
+    from dtrun.checks.doctor import DoctorSpec, run_doctor
 
     sample = None
     if links_sample is not None:
@@ -191,7 +191,7 @@ def keyscan_cmd(
     yes: bool = typer.Option(False, "--yes", "-y", help="Add unknown keys without asking (for scripts)."),
 ):
     """Show each host's SSH key fingerprint and add unknown keys to known_hosts after confirmation."""
-    from checks.keyscan import KeyscanSpec, keyscan
+    from dtrun.checks.keyscan import KeyscanSpec, keyscan
 
     raise typer.Exit(keyscan(KeyscanSpec(
         hosts=tuple(hosts or ()), host_list=host_list, hostfile=hostfile, cluster=cluster, ssh_config=ssh_config,
@@ -204,7 +204,7 @@ def stacks_cmd(
     timeout: float = typer.Option(5.0, "--timeout", help="Seconds each host may take to answer."),
 ):
     """Print every rank's stack of a running dtrun job, grouped; the job goes on."""
-    from launcher.stackscmd import show_stacks
+    from dtrun.launcher.stackscmd import show_stacks
 
     raise typer.Exit(show_stacks(job, timeout))
 
@@ -218,7 +218,7 @@ def top_cmd(
     timeout: float = typer.Option(5.0, "--timeout", help="Seconds a host may take to connect before it is named."),
 ):
     """A live table of a running job per rank: rate, waiting, CPU, memory, GPU, the straggler; the job goes on."""
-    from launcher.top import TopSpec, show_top
+    from dtrun.launcher.top import TopSpec, show_top
 
     raise typer.Exit(show_top(TopSpec(job=job, once=once, json_out=json_out, interval=interval, timeout=timeout)))
 
@@ -347,7 +347,7 @@ def _run_command(argv: list[str]) -> int:
     if os.environ.get(COMPLETE_VAR):
         return _complete(os.environ[COMPLETE_VAR])
     if argv and argv[0] in TOOLS:
-        from launcher.toolargs import tool_launch_argv
+        from dtrun.launcher.toolargs import tool_launch_argv
 
         tool_argv = tool_launch_argv(argv[0], argv[1:], launch_table())
         return ExitCode.OK if tool_argv is None else _invoke(run_app, tool_argv, f"dtrun {argv[0]}")

@@ -10,10 +10,10 @@ import shlex
 from dataclasses import dataclass
 from typing import Optional
 
-from launcher import safe
-from launcher.errors import UsageError
-from launcher.flavors import Flavor
-from launcher.hostfile import HostSlots
+from dtrun.launcher import safe
+from dtrun.launcher.errors import UsageError
+from dtrun.launcher.flavors import Flavor
+from dtrun.launcher.hostfile import HostSlots
 
 DEFAULT_EXCLUDE = ("lo", "docker0")
 # Open MPI's routed tree (PRRTE's and ORTE's routed/radix): mpirun starts this many daemons
@@ -323,7 +323,7 @@ def hydra_iface(spec: LaunchSpec) -> tuple[Optional[str], list[str]]:
         return None, [f"{cidr} ({spec.iface_reason}): Hydra takes an interface name, not a subnet, and the "
                       "interface names on the hosts are not known (the preflight reads them unless skipped); "
                       "--include-iface NAME sets one"]
-    from launcher import safe
+    from dtrun.launcher import safe
 
     def plain(name):  # the names come from the hosts' own `ip addr`: only plain interface names pass
         try:

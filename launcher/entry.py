@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import sys
 
-from launcher.job import stopsignals
+from dtrun.launcher.job import stopsignals
 
 
 def main() -> None:
     stopsignals.install()
     try:
-        from launcher.cli import main as cli_main
+        from dtrun.launcher.cli import main as cli_main
     except stopsignals.Stopped as exc:
         sys.exit(stopsignals.exit_code(exc.signum))
     cli_main()

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from launcher.errors import MpiFlavorError, MpiNotFoundError
-from launcher.paths import atomic_write, cache_dir
+from dtrun.launcher.errors import MpiFlavorError, MpiNotFoundError
+from dtrun.launcher.paths import atomic_write, cache_dir
 
 OPENMPI = "openmpi"
 MPICH = "mpich"

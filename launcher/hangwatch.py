@@ -19,8 +19,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from launcher.job.result import StopReason
-from launcher.jobstate import JobInfo
+from dtrun.launcher.job.result import StopReason
+from dtrun.launcher.jobstate import JobInfo
 
 ON_HANG = ("report", "abort", "restart")  # restart: stop as abort does, then --max-restarts (launcher/restarts.py)
 
@@ -123,7 +123,7 @@ class Monitor:
 
     # -- progress
     def _start_watchers(self) -> None:
-        from launcher.stacks import agent_argv
+        from dtrun.launcher.stacks import agent_argv
 
         interval = max(0.2, min(1.0, self.hang_timeout / 5))
         for host in dict.fromkeys(self.job.hosts):
@@ -191,7 +191,7 @@ class Monitor:
                     return
 
     def _report(self, headline: str, detected: float) -> None:
-        from launcher.stacks import report
+        from dtrun.launcher.stacks import report
 
         try:
             text, _path, _answers = report(self.job, headline, self.stacks_timeout)
@@ -203,12 +203,12 @@ class Monitor:
 
     def kill_leftovers(self, budget: float = 5.0) -> None:
         """After dtrun stopped the job: end what it left on every host (launcher/job/kill.py)."""
-        from launcher.job.kill import kill_leftovers
+        from dtrun.launcher.job.kill import kill_leftovers
 
         kill_leftovers(self.job, self.nspace, budget)
 
     def tidy_remote_hosts(self, budget: float = 3.0) -> None:
         """Remove what the job's ended ranks left on the other hosts (launcher/job/kill.py)."""
-        from launcher.job.kill import tidy_remote_hosts
+        from dtrun.launcher.job.kill import tidy_remote_hosts
 
         tidy_remote_hosts(self.job, budget)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from launcher import safe
-from launcher.errors import HostfileError, InvalidValue
+from dtrun.launcher import safe
+from dtrun.launcher.errors import HostfileError, InvalidValue
 
 MAX_FILE_BYTES = 4 << 20  # a hostfile or cluster file larger than this is not one
 

@@ -11,15 +11,15 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Mapping, Optional, Sequence
 
-from launcher.errors import HostfileError, UnknownHostError, UsageError
-from launcher.hostfile import (
+from dtrun.launcher.errors import HostfileError, UnknownHostError, UsageError
+from dtrun.launcher.hostfile import (
     HostSlots,
     parse_host_list,
     read_cluster_file,
     read_hostfile,
     slurm_hosts,
 )
-from launcher.safe import MAX_RANKS, count
+from dtrun.launcher.safe import MAX_RANKS, count
 
 
 SLURM_SOURCE = "Slurm allocation"  # HostSelection.source of hosts read from the allocation

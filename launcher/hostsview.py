@@ -6,7 +6,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from launcher.hosts import resolve_hosts
+from dtrun.launcher.hosts import resolve_hosts
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,10 +27,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from launcher.errors import UsageError
-from launcher.paths import cache_dir
-from launcher.remote.procfs import proc_start
-from launcher.remote.sessiondirs import alive, claim, held
+from dtrun.launcher.errors import UsageError
+from dtrun.launcher.paths import cache_dir
+from dtrun.launcher.remote.procfs import proc_start
+from dtrun.launcher.remote.sessiondirs import alive, claim, held
 
 LOCK_NAME = "job.lock"
 _held: dict[str, int] = {}  # job directory -> the descriptor holding its lock (this process's jobs)

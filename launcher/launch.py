@@ -10,15 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
-from launcher import command as cmd
-from launcher import safe
-from launcher.errors import ExitCode, UsageError, signal_exit_code
-from launcher.job import stopsignals
-from launcher.flavors import Flavor, detect_flavor, find_mpirun
-from launcher.hosts import SLURM_SOURCE, HostSelection, all_local, is_local, resolve_hosts, resolve_np
-from launcher.netinfo import InterfaceChoice, SharedSubnet, local_address_on
-from launcher.paths import new_run_id
-from launcher.sshconf import base_ssh_config, job_ssh_files
+from dtrun.launcher import command as cmd
+from dtrun.launcher import safe
+from dtrun.launcher.errors import ExitCode, UsageError, signal_exit_code
+from dtrun.launcher.job import stopsignals
+from dtrun.launcher.flavors import Flavor, detect_flavor, find_mpirun
+from dtrun.launcher.hosts import SLURM_SOURCE, HostSelection, all_local, is_local, resolve_hosts, resolve_np
+from dtrun.launcher.netinfo import InterfaceChoice, SharedSubnet, local_address_on
+from dtrun.launcher.paths import new_run_id
+from dtrun.launcher.sshconf import base_ssh_config, job_ssh_files
 
 RANKEXEC = str(Path(__file__).parent / "remote" / "rankexec.py")
 # Every rank's wrapper must have started by then (ssh, daemons and the wrapper's own start),
@@ -251,7 +251,7 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, env
                               flavor.is_openmpi)
     tag = opts.tag_output if opts.tag_output is not None else (len(selection.hosts) > 1 and not local_only)
     wrapper = (sys.executable, "-S", RANKEXEC, "--") if opts.rank_wrapper else ()
-    from launcher.rendezvous import choose
+    from dtrun.launcher.rendezvous import choose
 
     master_addr, master_port = choose(selection.hosts, local_only, environ, dict(cmd.parse_env_item(e) for e in opts.env))
     return cmd.LaunchSpec(
@@ -291,7 +291,7 @@ def local_facts(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,
                 choice: Optional[InterfaceChoice], environ: Mapping[str, str]) -> LocalFacts:
     """The I/O ``make_spec`` must not do: resolve the hosts and read this machine's interfaces,
     only where the launch needs them (DNS bounded by a timeout, shorter for a dry run)."""
-    from launcher.netinfo import DRY_RUN_RESOLVE_S, RESOLVE_TIMEOUT_S, infer_shared_subnet, local_addresses
+    from dtrun.launcher.netinfo import DRY_RUN_RESOLVE_S, RESOLVE_TIMEOUT_S, infer_shared_subnet, local_addresses
 
     if all_local(selection.hosts):
         return LocalFacts()
@@ -322,7 +322,7 @@ def prepare(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None,
     would hang the job. A dry run goes through the same steps, so it prints the command a
     real launch of the same arguments would run.
     """
-    from launcher import slurm
+    from dtrun.launcher import slurm
 
     environ = os.environ if environ is None else environ
     selection = opts.selection or resolve_hosts(opts.host_list, opts.hostfile, opts.cluster, opts.include,
@@ -347,7 +347,7 @@ def prepare(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None,
 def _preflight(opts: LaunchOptions, selection: HostSelection, flavor: Flavor, launcher_choice,
                environ: Mapping[str, str], preflight: Optional[Preflight]) -> Optional[InterfaceChoice]:
     """Check the hosts of a multi-host launch: the interface choice the preflight returns, or None."""
-    from launcher import slurm
+    from dtrun.launcher import slurm
 
     if not opts.preflight or all_local(selection.hosts):
         return None
@@ -366,7 +366,7 @@ def _preflight(opts: LaunchOptions, selection: HostSelection, flavor: Flavor, la
 def describe(opts: LaunchOptions, selection, flavor: Flavor, spec: cmd.LaunchSpec, groups, notes=(),
              choice=None) -> str:
     """The --dry-run / --verbose text: what runs, each flag with its reason."""
-    from launcher import slurm
+    from dtrun.launcher import slurm
 
     hosts = len(selection.hosts)
     if choice is not None and choice.launcher == "srun":
@@ -429,7 +429,7 @@ def launch(opts: LaunchOptions, preflight: Optional[Preflight] = None, host_chec
     ``host_check`` (given by the CLI: ``checks.hostcheck.check_hosts``) checks the hosts after
     a failure: those that fail it are named, and left out of a restart (launcher/restarts.py).
     """
-    from launcher.hangwatch import ON_HANG
+    from dtrun.launcher.hangwatch import ON_HANG
 
     if opts.hang_timeout is not None and not opts.hang_timeout > 0:
         raise UsageError(f"--hang-timeout {opts.hang_timeout:g}: give a number of seconds above 0")
@@ -438,11 +438,11 @@ def launch(opts: LaunchOptions, preflight: Optional[Preflight] = None, host_chec
     check_seconds(opts.timeout, "--timeout")
     check_seconds(opts.start_timeout, "--start-timeout")
     if opts.dry_run or not opts.rank_wrapper:
-        from launcher.restarts import check_options
+        from dtrun.launcher.restarts import check_options
 
         check_options(opts, None)
         return _launch(opts, None, preflight)
-    from launcher import restarts
+    from dtrun.launcher import restarts
 
     # One attempt, or with --max-restarts several, each in a job directory of its own where
     # ranks leave state for `dtrun stacks` (launcher/remote/rankstate.py).
@@ -460,7 +460,7 @@ def _attempt(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Pr
     which first checks the hosts (a signal still cleans up here)."""
     import time
 
-    from launcher.restarts import Attempt
+    from dtrun.launcher.restarts import Attempt
 
     prepared = prepare(opts, preflight=preflight)
     selection, spec, choice = prepared.selection, prepared.spec, prepared.choice
@@ -468,10 +468,10 @@ def _attempt(opts: LaunchOptions, job_dir: Optional[str], preflight: Optional[Pr
         print(dry_run_text(opts, prepared))
         return Attempt(ExitCode.OK)
     _before_start(opts, prepared)
-    from launcher.allocwatch import watch_allocation
-    from launcher.job.result import expected_hosts
-    from launcher.job.summary import failure_summary
-    from launcher.job.supervisor import run_job
+    from dtrun.launcher.allocwatch import watch_allocation
+    from dtrun.launcher.job.result import expected_hosts
+    from dtrun.launcher.job.summary import failure_summary
+    from dtrun.launcher.job.supervisor import run_job
 
     sweep = _sweeps_session_dirs(prepared)
     observers, monitor = _observers(opts, prepared, job_dir, tuple(observers), sweep)
@@ -517,7 +517,7 @@ def _time_left(opts: LaunchOptions) -> Optional[float]:
 
 def _notes(prepared: PreparedLaunch) -> list[str]:
     """The warnings of this MPI (or srun) for this spec, shown before the job and in --dry-run."""
-    from launcher import slurm
+    from dtrun.launcher import slurm
 
     if prepared.choice.launcher == "srun":
         return slurm.srun_notes(prepared.spec, prepared.flavor)
@@ -558,7 +558,7 @@ def _sweeps_session_dirs(prepared: PreparedLaunch) -> bool:
     flavor = prepared.flavor
     sweep = flavor.is_openmpi and flavor.major >= 5 and prepared.choice.launcher != "srun"
     if sweep:
-        from launcher.remote import sessiondirs
+        from dtrun.launcher.remote import sessiondirs
 
         sessiondirs.sweep()
     return sweep
@@ -568,17 +568,17 @@ def _observers(opts: LaunchOptions, prepared: PreparedLaunch, job_dir: Optional[
                sweep: bool):
     """(the job's observers, the hang monitor or None): what watches the job beside run_job."""
     if sweep:
-        from launcher.remote import sessiondirs
+        from dtrun.launcher.remote import sessiondirs
 
         # mpirun's own directory is locked while it runs: only then may a sweep from any pid
         # namespace that shares this temporary directory tell it from a killed job's.
         observers += (sessiondirs.LauncherLock(),)
     if job_dir is None:
         return observers, None
-    from launcher import jobstate
-    from launcher.hangwatch import Monitor
-    from launcher.straggler import StragglerWatch
-    from launcher.top import live_table
+    from dtrun.launcher import jobstate
+    from dtrun.launcher.hangwatch import Monitor
+    from dtrun.launcher.straggler import StragglerWatch
+    from dtrun.launcher.top import live_table
 
     spec = prepared.spec
     job = jobstate.write(job_dir, [h.host for h in prepared.selection.hosts], spec.np, spec.ssh_config, spec.log_dir,
@@ -598,20 +598,20 @@ def _clean_up(prepared: PreparedLaunch, result, monitor, cleanup: bool, sweep: b
         # or --on-hang abort more.
         monitor.kill_leftovers(budget=1.5 if result.interrupted else 5.0)
     if sweep:
-        from launcher.remote import sessiondirs
+        from dtrun.launcher.remote import sessiondirs
 
         removed = sessiondirs.sweep()
         if result.pmix_refused:
             result.notes.append(pmix_refused_note(result.pmix_refused, len(removed)))
     if srun:
-        from launcher import slurm
+        from dtrun.launcher import slurm
 
         result.returncode = slurm.srun_exit_code(result)
 
 
 def _ended_by_slurm(prepared: PreparedLaunch, result, attempt) -> bool:
     """Whether Slurm ended the allocation under the job; if so, say so and set the attempt's code."""
-    from launcher.allocwatch import ended_message, ended_state
+    from dtrun.launcher.allocwatch import ended_message, ended_state
 
     allocation = prepared.choice.allocation
     ended = ended_state(allocation.job_id) if allocation and not result.interrupted else None

@@ -93,7 +93,7 @@ def local_networks() -> list[tuple[str, ipaddress.IPv4Network]]:
 
     Read the way doctor and the preflight read interfaces (``ip -j addr``, else sysfs).
     """
-    from launcher.interfaces import local_interfaces
+    from dtrun.launcher.interfaces import local_interfaces
 
     return [(i.name, n.network) for i in local_interfaces() if i.up and not i.loopback
             for n in i.networks if not n.ip.is_loopback]
@@ -101,7 +101,7 @@ def local_networks() -> list[tuple[str, ipaddress.IPv4Network]]:
 
 def local_addresses() -> list[tuple[str, str]]:
     """(interface, IPv4 address) of every interface of this machine that is up, except loopback."""
-    from launcher.interfaces import local_interfaces
+    from dtrun.launcher.interfaces import local_interfaces
 
     return [(i.name, str(n.ip)) for i in local_interfaces() if i.up and not i.loopback for n in i.networks]
 

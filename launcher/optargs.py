@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from launcher.errors import UsageError
+from dtrun.launcher.errors import UsageError
 
 # Options that take more than one value. click options take one; dtrun folds
 # ``--mca KEY VALUE`` (mpirun's spelling) into ``--mca KEY=VALUE`` before click sees it.

@@ -22,9 +22,9 @@ import random
 import socket
 from typing import Mapping, Optional, Sequence
 
-from launcher import safe
-from launcher.errors import InvalidValue, UsageError
-from launcher.hostfile import HostSlots
+from dtrun.launcher import safe
+from dtrun.launcher.errors import InvalidValue, UsageError
+from dtrun.launcher.hostfile import HostSlots
 
 LOOPBACK = "127.0.0.1"
 REMOTE_PORT_RANGE = (20000, 32767)
@@ -59,7 +59,7 @@ def choose(hosts: Sequence[HostSlots], local_only: bool, environ: Mapping[str, s
     A value the user gave with ``-x NAME=VALUE`` or in dtrun's environment is kept
     (validated); otherwise it is chosen as the module docstring says.
     """
-    from launcher.hosts import is_local
+    from dtrun.launcher.hosts import is_local
 
     def given(name: str) -> Optional[str]:
         if name in user_env:

@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Sequence
 
-from launcher.errors import ExitCode, UsageError
-from launcher.hostfile import HostSlots
-from launcher.job import stopsignals
+from dtrun.launcher.errors import ExitCode, UsageError
+from dtrun.launcher.hostfile import HostSlots
+from dtrun.launcher.job import stopsignals
 
 # The host check the CLI injects (launcher/ never imports checks/):
 # (opts, selection, hosts, environ) -> {host name: why it failed}; hosts not named passed.
@@ -160,8 +160,8 @@ def failure_of(result, exception: Optional[tuple[str, str]] = None, on_hang: str
                timed_out: bool = False) -> Failure:
     """The failure of one attempt from its ``launcher.job.result.JobResult`` (and the last exception
     a rank printed), and whether a restart may help."""
-    from launcher.errors import signal_name
-    from launcher.job.result import root_cause
+    from dtrun.launcher.errors import signal_name
+    from dtrun.launcher.job.result import root_cause
 
     if result.interrupted:
         return Failure(f"stopped by {signal_name(result.signum or signal.SIGINT)}", ("signal",), (), False,
@@ -196,7 +196,7 @@ def failure_of(result, exception: Optional[tuple[str, str]] = None, on_hang: str
                        ("silent",) + hosts, hosts)
     if result.timeout:
         return Failure(result.timeout, ("start-timeout",))
-    from launcher.job.summary import launcher_ended
+    from dtrun.launcher.job.summary import launcher_ended
 
     return Failure(launcher_ended(result), ("mpirun", result.mpirun_returncode))
 
@@ -285,14 +285,14 @@ def _say(line: str) -> None:
 def parse_spares(text: Optional[str]) -> tuple[HostSlots, ...]:
     if not text:
         return ()
-    from launcher.hostfile import parse_host_list
+    from dtrun.launcher.hostfile import parse_host_list
 
     return tuple(parse_host_list(text, "--spares"))
 
 
 def check_options(opts, selection) -> tuple[tuple[HostSlots, ...], Optional[int]]:
     """Validate --max-restarts, --spares and --min-np; return the spare hosts and min-np."""
-    from launcher.safe import MAX_RANKS, count
+    from dtrun.launcher.safe import MAX_RANKS, count
 
     if opts.max_restarts < 0:
         raise UsageError(f"--max-restarts {opts.max_restarts}: give 0 or more")
@@ -335,7 +335,7 @@ def run(opts, attempt: Callable[..., Attempt], preflight=None, host_check: Optio
             if code is not None:
                 return code
     except stopsignals.Stopped as exc:
-        from launcher.errors import signal_name
+        from dtrun.launcher.errors import signal_name
 
         _say(f"dtrun: stopped by {signal_name(exc.signum)} between attempts; no further attempt")
         return stopsignals.exit_code(exc.signum)
@@ -346,7 +346,7 @@ class _Attempts:
     the earlier attempts (a failure seen again on good hosts is the program's own)."""
 
     def __init__(self, opts, attempt, preflight, host_check: Optional[HostCheck], environ, timings):
-        from launcher.hosts import resolve_hosts, resolve_np
+        from dtrun.launcher.hosts import resolve_hosts, resolve_np
 
         self.opts, self.attempt, self.preflight = opts, attempt, preflight
         self.host_check, self.environ, self.timings = host_check, environ, timings
@@ -384,7 +384,7 @@ class _Attempts:
 
     def one(self) -> Optional[int]:
         """Run one attempt; dtrun's exit code when the run is over, None to go on."""
-        from launcher import jobstate
+        from dtrun.launcher import jobstate
 
         job_dir = jobstate.new_dir()
         try:
@@ -419,7 +419,7 @@ class _Attempts:
 
     def _check_hosts(self, att: Attempt, a_opts, failure: Failure) -> dict[str, str]:
         """The hosts that fail the check after this failure (host -> why), each lost one said."""
-        from launcher.hosts import all_local
+        from dtrun.launcher.hosts import all_local
 
         used = att.selection if att.selection is not None else self.selection
         candidates = [h for h in used.hosts if h.host in att.hosts] if used is not None else []
@@ -479,14 +479,14 @@ class _Attempts:
 
 
 def _new_run_id() -> str:
-    from launcher.paths import new_run_id
+    from dtrun.launcher.paths import new_run_id
 
     return new_run_id()
 
 
 def _timed_out(result) -> bool:
     """Whether the run's --timeout stopped the attempt (never restarted: it covers the whole run)."""
-    from launcher.job.result import StopReason
+    from dtrun.launcher.job.result import StopReason
 
     return result.stop is not None and result.stop.reason is StopReason.TIMEOUT
 
@@ -498,6 +498,6 @@ def _cleanup(att: Attempt, hosts: Sequence[str]) -> None:
     daemon of the failed attempt whose ranks have ended (a frozen or slow ``prted``)."""
     if att.job is None or att.srun or not hosts:
         return  # under srun, Slurm ends the step's processes itself
-    from launcher.job.kill import kill_leftovers
+    from dtrun.launcher.job.kill import kill_leftovers
 
     kill_leftovers(replace(att.job, hosts=tuple(hosts)), att.nspace, budget=CLEANUP_BUDGET_S)

@@ -24,7 +24,7 @@ import ipaddress
 import re
 import shlex
 
-from launcher.errors import InvalidValue
+from dtrun.launcher.errors import InvalidValue
 
 MAX_SLOTS = 4096  # per host; far above any real node's cores or GPUs
 MAX_RANKS = 1 << 20  # -np

@@ -21,10 +21,10 @@ import subprocess
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from launcher import command as cmd
-from launcher.command import ArgGroup, LaunchSpec
-from launcher.errors import LaunchError, UsageError
-from launcher.flavors import Flavor
+from dtrun.launcher import command as cmd
+from dtrun.launcher.command import ArgGroup, LaunchSpec
+from dtrun.launcher.errors import LaunchError, UsageError
+from dtrun.launcher.flavors import Flavor
 
 LAUNCHERS = ("auto", "srun", "mpirun")
 MPI_LIST_TIMEOUT_S = 15

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from launcher import safe
-from launcher.errors import InvalidValue, LaunchError, UsageError
-from launcher.paths import atomic_write, cache_dir
+from dtrun.launcher import safe
+from dtrun.launcher.errors import InvalidValue, LaunchError, UsageError
+from dtrun.launcher.paths import atomic_write, cache_dir
 
 
 @dataclass(frozen=True)

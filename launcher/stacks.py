@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from launcher.hosts import is_local
-from launcher.jobstate import JobInfo
+from dtrun.launcher.hosts import is_local
+from dtrun.launcher.jobstate import JobInfo
 
 AGENT = str(Path(__file__).parent / "remote" / "agent.py")
 _RUNTIME_DIR = str(Path(__file__).resolve().parent.parent / "collectives") + os.sep
@@ -309,7 +309,7 @@ def full_stacks(answers: Sequence[HostAnswer]) -> str:
 def report(job: JobInfo, headline: str, timeout: float = 5.0, out_dir: Optional[str] = None,
            via: Optional[str] = None) -> tuple[str, str, list[HostAnswer]]:
     """Collect, write the whole stacks to a file, return (roll call, file, answers)."""
-    from launcher.paths import cache_dir
+    from dtrun.launcher.paths import cache_dir
 
     answers = collect(job, timeout, via)
     d = Path(out_dir or job.log_dir or (cache_dir() / "hangs"))

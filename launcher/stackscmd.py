@@ -4,13 +4,13 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from launcher.errors import ExitCode, UsageError
+from dtrun.launcher.errors import ExitCode, UsageError
 
 
 def show_stacks(selector: Optional[str], timeout: float) -> int:
     """Find the running job, collect every rank's stack, print the report; 1 if a host did not answer."""
-    from launcher.jobstate import find_job
-    from launcher.stacks import report
+    from dtrun.launcher.jobstate import find_job
+    from dtrun.launcher.stacks import report
 
     if not timeout > 0:
         raise UsageError(f"--timeout {timeout:g}: give a number of seconds above 0")

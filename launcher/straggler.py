@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Callable, Optional, Sequence
 
-from launcher.jobstate import JobInfo
+from dtrun.launcher.jobstate import JobInfo
 
 MIN_RUN_S = 5.0  # shorter jobs get no finding (too few samples to tell noise from a straggler)
 START_DELAY_S = 2.0  # sampling starts this long after every rank started (imports, rendezvous: busy ranks)
@@ -303,7 +303,7 @@ def frame_text(frame) -> str:
 
 
 def render_finding(f: Finding) -> str:
-    from launcher.stacks import format_ranks
+    from dtrun.launcher.stacks import format_ranks
 
     if f.whole_host:
         who, pron = f"host {f.hosts[0]} (ranks {format_ranks(f.ranks)})", "they"
@@ -352,7 +352,7 @@ class SampleStream:
         self._started_at = 0.0
 
     def start(self) -> None:
-        from launcher.stacks import agent_argv
+        from dtrun.launcher.stacks import agent_argv
 
         via = "faulthandler" if os.environ.get("DTRUN_NO_PYSPY", "").strip() == "1" else "auto"
         extra = [f"{self.rate:g}", via] + (["once"] if self.once else [])
@@ -538,7 +538,7 @@ class StragglerWatch:
     def _write_report(self, line: str, totals) -> Optional[str]:
         from pathlib import Path
 
-        from launcher.paths import cache_dir
+        from dtrun.launcher.paths import cache_dir
 
         try:
             d = Path(self.job.log_dir or (cache_dir() / "hangs"))

@@ -15,10 +15,10 @@ import io
 import sys
 from typing import Optional
 
-from launcher.errors import UsageError
-from launcher.optargs import no_such_option, take_option
+from dtrun.launcher.errors import UsageError
+from dtrun.launcher.optargs import no_such_option, take_option
 
-TOOLS = {"smoke": "collectives.smoke", "bench": "collectives.bench"}
+TOOLS = {"smoke": "dtrun.collectives.smoke", "bench": "dtrun.collectives.bench"}
 
 
 def tool_parser(tool: str):

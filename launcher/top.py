@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Callable, Optional, Sequence
 
-from launcher.errors import ExitCode, UsageError
-from launcher.job import stopsignals
-from launcher.jobstate import JobInfo
-from launcher.straggler import (Confirmed, HostSample, RankTotals, Recent, SampleStream, find_straggler,
+from dtrun.launcher.errors import ExitCode, UsageError
+from dtrun.launcher.job import stopsignals
+from dtrun.launcher.jobstate import JobInfo
+from dtrun.launcher.straggler import (Confirmed, HostSample, RankTotals, Recent, SampleStream, find_straggler,
                                 frame_text, render_finding)
 
 GROUP_ABOVE = 16  # more ranks than this: one row per host
@@ -116,7 +116,7 @@ def render(v: dict) -> str:
     head += f" {'GPU%':>5} {'GPUMEM':>7}" if gpu else ""
     lines.append(head + "  VIA")
     if len(ranks) > GROUP_ABOVE:
-        from launcher.stacks import format_ranks
+        from dtrun.launcher.stacks import format_ranks
 
         by_host: dict = {}
         for r in ranks:
@@ -144,7 +144,7 @@ def render(v: dict) -> str:
         if h.get("error"):
             lines.append(f"{h['host']}: {h['error']} — its ranks are not in this table")
     if v["missing"] and not any(h.get("error") for h in v["hosts"]):
-        from launcher.stacks import format_ranks
+        from dtrun.launcher.stacks import format_ranks
 
         lines.append(f"ranks {format_ranks(v['missing'])}: no state on any host (not started yet, or already ended)")
     measured = sorted((r for r in ranks if r["wait"] is not None), key=lambda r: (r["wait"], r["rank"]))
@@ -164,7 +164,7 @@ def live_table(job: JobInfo, latest: dict, totals: Sequence[RankTotals], confirm
 
 def show_top(spec: TopSpec) -> int:
     """Run the agents on every host of the job, print the table every window (or once)."""
-    from launcher.jobstate import find_job
+    from dtrun.launcher.jobstate import find_job
 
     window = spec.interval if spec.interval is not None else (ONCE_S if spec.once else 1.0)
     if not 1 <= window <= 60:

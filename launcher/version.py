@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional
 
-from launcher.errors import DtrunError
+from dtrun.launcher.errors import DtrunError
 
 
 def dtrun_version() -> str:
@@ -16,9 +16,17 @@ def dtrun_version() -> str:
         return "unknown (not installed)"
 
 
+def installed_at() -> str:
+    """Where the ``dtrun`` package runs from (site-packages, a pipx venv, or a source tree)."""
+    import dtrun
+
+    return os.path.dirname(os.path.abspath(dtrun.__file__))
+
+
 def version_text(environ: Optional[Mapping[str, str]] = None) -> str:
-    """Two lines: ``dtrun X`` and ``MPI: <flavor> <version> (<mpirun>)``, or why there is none."""
-    from launcher.flavors import detect_flavor, find_mpirun
+    """Three lines: ``dtrun X``, ``MPI: <flavor> <version> (<mpirun>)`` (or why there is none)
+    and ``installed at: <dir>``."""
+    from dtrun.launcher.flavors import detect_flavor, find_mpirun
 
     environ = os.environ if environ is None else environ
     try:
@@ -26,4 +34,4 @@ def version_text(environ: Optional[Mapping[str, str]] = None) -> str:
         mpi = f"{flavor.label} ({flavor.mpirun})"
     except DtrunError as exc:
         mpi = f"none usable: {exc}"
-    return f"dtrun {dtrun_version()}\nMPI: {mpi}"
+    return f"dtrun {dtrun_version()}\nMPI: {mpi}\ninstalled at: {installed_at()}"

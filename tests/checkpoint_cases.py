@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-import collectives.dp as dp
+import dtrun.collectives.dp as dp
 
 
 def report(**kw) -> None:

@@ -23,8 +23,8 @@ import traceback
 
 import numpy as np
 
-import collectives
-from collectives import (CollectiveError, MismatchError, NotContiguousError, ShapeError,
+from dtrun import collectives
+from dtrun.collectives import (CollectiveError, MismatchError, NotContiguousError, ShapeError,
                          UnsupportedDtypeError)
 
 
@@ -209,7 +209,7 @@ def case_shm1_exact(comm):
     7, 1001 and 3 steps of its slot plus a tail, in place, out of place and out=, exact;
     random floats give the same bits on every rank; what it does not take (a strided array,
     a wrong out, DTRUN_CHECK mode) reaches the Python path and its errors."""
-    from collectives import dtypes as dt, shm1
+    from dtrun.collectives import dtypes as dt, shm1
     if comm.local_size < 2 or comm.nnodes > 1:
         raise Skip("shm1 needs several ranks on one host and no other host")
     if not shm1.available():
@@ -220,7 +220,7 @@ def case_shm1_exact(comm):
 
 
 def _compiled_path_exact(comm, path):
-    from collectives import dtypes as dt, shm1
+    from dtrun.collectives import dtypes as dt, shm1
     sub = collectives.Comm(comm.mpi, path=path)
     try:
         assert sub.allreduce_path(8) == sub.allreduce_path(64 << 20, True) == path
@@ -310,7 +310,7 @@ def case_shm1_waits(comm):
     """The compiled engine's waits spin when the late rank runs on another CPU and yield
     at once when it last ran on this one: ranks pinned to separate CPUs never count a
     shared-CPU wait; pinned to one CPU they do (and still finish, with exact sums)."""
-    from collectives import shm1
+    from dtrun.collectives import shm1
     if comm.local_size < 2 or comm.nnodes > 1 or not shm1.available():
         raise Skip("needs the compiled engine and several ranks on one host only")
     cpus = sorted(os.sched_getaffinity(0))
@@ -355,7 +355,7 @@ def case_shm1_waits(comm):
 
 
 def _reduce_dtypes():
-    from collectives import dtypes as dt
+    from dtrun.collectives import dtypes as dt
     return [d for d in dt._MPI_TYPE if dt.reduce_problem(d, "sum") is None]
 
 
@@ -374,8 +374,8 @@ def _expect(comm, n, dtype, op):
 def case_ring_exact(comm):
     """The ring path: every dtype and op the runtime reduces, counts that the ranks do not
     divide (and fewer elements than ranks), in and out of place, exact everywhere."""
-    from collectives import dtypes as dt
-    from collectives.ring import Ring
+    from dtrun.collectives import dtypes as dt
+    from dtrun.collectives.ring import Ring
     if comm.size > 1:
         # Every rank its own "host": the layout where the ring is a path.
         solo = comm.mpi.Split(comm.rank, 0)
@@ -413,7 +413,7 @@ def case_ring_exact(comm):
 
 def _path_codes(comm, c):
     """Every bucket's path, in and out of place, as numbers (to compare across ranks)."""
-    from collectives import tuning
+    from dtrun.collectives import tuning
     return np.array([tuning.PATHS.index(c.allreduce_path(b, ip)) for ip in (False, True)
                      for b in tuning.BUCKETS + (3, 5 << 20, 64 << 20)], dtype=np.int64)
 
@@ -435,7 +435,7 @@ def _with_env(values: dict, make):
 def case_path_selection_agrees(comm):
     """A measured path table: the same path for every size on every rank, and every size
     bucket reduces correctly along its path."""
-    from collectives import tuning
+    from dtrun.collectives import tuning
     sub = _with_env({"DTRUN_TUNE": "refresh"}, lambda: collectives.Comm(comm.mpi))
     try:
         codes = _path_codes(comm, sub)
@@ -495,7 +495,7 @@ def case_path_env_overrides(comm):
 
 def _full_measurement(mpi, cands, run, first=0, rounds=None, budget=None, tick=None):
     """tuning.measure as on an idle host: every size measured, the same times on every rank."""
-    from collectives import tuning
+    from dtrun.collectives import tuning
     times = np.full((len(tuning.BUCKETS), 2, len(cands)), 1e-4)
     times[:first, :, 0] = tuning.NOT_MEASURED
     return times
@@ -513,7 +513,7 @@ def case_path_cache_corrupt(comm):
     import shutil
     import tempfile
 
-    from collectives import cache, tuning
+    from dtrun.collectives import cache, tuning
     tmp = tempfile.mkdtemp(prefix="dtrun-tune-")
     real_measure, tuning.measure = tuning.measure, _full_measurement
     try:
@@ -561,7 +561,7 @@ def case_path_cache_corrupt(comm):
 
 def case_soft_floats(comm):
     """float16 and bfloat16 (no MPI datatype): user-defined MPI ops and the shm path."""
-    from collectives import dtypes as dt
+    from dtrun.collectives import dtypes as dt
     for threshold in (1 << 30, 1024):  # MPI path, then shm path
         sub = collectives.Comm(comm.mpi, shm_threshold=threshold)
         try:
@@ -837,7 +837,7 @@ def case_errors_local(comm):
 
 def case_errors_truncation(comm):
     """A receive buffer smaller than the message: MPI's error, translated and explained."""
-    from collectives import MPIError
+    from dtrun.collectives import MPIError
     if comm.size == 1:
         h = comm.isend(np.ones(10), 0, tag=9)
         _raises(MPIError, lambda: comm.recv(np.empty(5), source=0, tag=9), "recv",

@@ -21,7 +21,7 @@ import sys
 import numpy as np
 import torch
 
-import collectives.dp as dp
+import dtrun.collectives.dp as dp
 
 
 def report(**kw) -> None:

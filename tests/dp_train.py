@@ -20,7 +20,7 @@ import os
 import numpy as np
 import torch
 
-import collectives.dp as dp
+import dtrun.collectives.dp as dp
 
 STEPS, BATCH = 20, 48  # 48: 1, 2, 3 or 4 ranks, each split in 2 micro-batches
 

@@ -1,4 +1,4 @@
-"""collectives.dp_exchange (the ring between hosts and each host's local socket) under a
+"""dtrun.collectives.dp_exchange (the ring between hosts and each host's local socket) under a
 real job on namespace hosts, one behaviour per mode (tests/test_ring_hardening.py).
 
 Usage: python tests/exchange_cases.py MODE   (under dtrun; prints ``RESULT {json}``)
@@ -28,9 +28,9 @@ import time
 
 import numpy as np
 
-import collectives
-from collectives import dp_exchange, streamring
-from collectives.streamring import RingError
+from dtrun import collectives
+from dtrun.collectives import dp_exchange, streamring
+from dtrun.collectives.streamring import RingError
 
 SIZES = (1, 3, 1000, 65537, 300_001)
 DTYPES = ("float32", "float64", "int64")

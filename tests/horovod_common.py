@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from collectives.horovod._core import Average, HorovodUnsupportedError, Max, Min, Product, Sum
+from dtrun.collectives.horovod._core import Average, HorovodUnsupportedError, Max, Min, Product, Sum
 
 TOL = {"float16": 1e-2, "bfloat16": 2e-2, "float32": 1e-6, "float64": 1e-12}
 

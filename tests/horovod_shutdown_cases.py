@@ -27,7 +27,7 @@ import time
 
 import torch
 
-import collectives.horovod.torch as hvd
+import dtrun.collectives.horovod.torch as hvd
 
 CASE = sys.argv[1]
 hvd.init()
@@ -87,7 +87,7 @@ def late_news_case() -> None:
     if R == 0:  # announce the shutdown before the last negotiation (2 exchanges) it runs
         import numpy as np
 
-        from collectives.horovod._farewell import TAG
+        from dtrun.collectives.horovod._farewell import TAG
         fw = hvd._core.job("late_news").farewells
         fw.comm.Send(np.array([0, 2], np.int64), dest=1, tag=TAG)
     else:

@@ -26,8 +26,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import collectives.horovod.keras as hvdk  # noqa: E402
-import collectives.horovod.tensorflow as hvd  # noqa: E402
+import dtrun.collectives.horovod.keras as hvdk  # noqa: E402
+import dtrun.collectives.horovod.tensorflow as hvd  # noqa: E402
 import horovod_common as common  # noqa: E402 (tests/, this script's folder)
 from horovod_common import data  # noqa: E402
 
@@ -112,7 +112,7 @@ def semantics() -> dict:
     out["unsupported"] = common.unsupported_messages([
         ("Adasum", lambda: hvd.allreduce(tf.ones(1), op=hvd.Adasum)),
         ("keras Adasum", lambda: hvdk.DistributedOptimizer(keras.optimizers.SGD(), op="adasum")),
-        ("elastic", lambda: __import__("collectives.horovod.tensorflow.elastic")),
+        ("elastic", lambda: __import__("dtrun.collectives.horovod.tensorflow.elastic")),
         ("process_set", lambda: hvd.add_process_set([0]))])
     out["objects"] = [hvd.broadcast_object(("root", R), root_rank=N - 1),
                       hvd.allgather_object(R * 10)]

@@ -1,6 +1,6 @@
 """Rank program for tests/test_horovod_torch.py: run under ``dtrun -np N``.
 
-Written as a Horovod user writes one (``import collectives.horovod.torch as hvd``; the
+Written as a Horovod user writes one (``import dtrun.collectives.horovod.torch as hvd``; the
 rest is Horovod's API). Every rank checks, against NumPy on data every rank can compute:
 
 * every collective and its ``_async`` form, for each dtype Horovod's torch ops take;
@@ -23,7 +23,7 @@ import sys
 import numpy as np
 import torch
 
-import collectives.horovod.torch as hvd
+import dtrun.collectives.horovod.torch as hvd
 import horovod_common as common  # tests/, this script's folder
 
 hvd.init()
@@ -165,7 +165,7 @@ def semantics() -> dict:
         ("Adasum", lambda: hvd.allreduce(torch.ones(1), op=hvd.Adasum)),
         ("add_process_set", lambda: hvd.add_process_set([0])),
         ("process_set", lambda: hvd.allreduce(torch.ones(1), process_set=object())),
-        ("elastic", lambda: __import__("collectives.horovod.torch.elastic")),
+        ("elastic", lambda: __import__("dtrun.collectives.horovod.torch.elastic")),
         ("optimizer Adasum", lambda: hvd.DistributedOptimizer(
             torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), op="adasum")),
     ])

@@ -24,8 +24,8 @@ import time
 
 import numpy as np
 
-import collectives
-from collectives import MismatchError
+from dtrun import collectives
+from dtrun.collectives import MismatchError
 
 
 def _f32(n):
@@ -121,7 +121,7 @@ def make_comm(layout: str, world) -> collectives.Comm:
     """A Comm over a Dup of ``world`` (an mpi4py communicator) for ``layout``."""
     mpi = world.Dup()
     if layout in ("shm1", "shm2", "shm", "mpi"):
-        from collectives import shm1
+        from dtrun.collectives import shm1
         if layout in ("shm1", "shm2") and not shm1.available():
             layout = "shm"
         return collectives.Comm(mpi, path=layout)

@@ -1,4 +1,4 @@
-"""collectives.streamring under a real job, one behaviour per mode (tests/test_streamring.py).
+"""dtrun.collectives.streamring under a real job, one behaviour per mode (tests/test_streamring.py).
 
 Usage: python tests/ring_cases.py MODE   (under ``dtrun -np N``; prints ``RESULT {json}``)
 
@@ -29,7 +29,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from collectives.streamring import RingError, StreamRing
+from dtrun.collectives.streamring import RingError, StreamRing
 
 
 def report(**kw) -> None:

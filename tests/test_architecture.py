@@ -45,7 +45,8 @@ def _module_name(rel: str) -> str:
 def imported_names(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, str]]:
     """(line, dotted name) of every import in ``tree``, relative ones resolved.
 
-    ``from a import b`` yields ``a.b`` as well as ``a``: ``b`` may be a module.
+    ``from a import b`` yields ``a.b`` as well as ``a``: ``b`` may be a module. Names are
+    given without the ``dtrun.`` namespace (``dtrun.launcher.x`` is ``launcher.x``, the folder).
     """
     base = module.split(".") if is_package else module.split(".")[:-1]
     out = []
@@ -58,9 +59,12 @@ def imported_names(tree: ast.AST, module: str, is_package: bool) -> list[tuple[i
                 name = ".".join(anchor + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
+            if name == "dtrun" and node.names:  # from dtrun import collectives
+                out += [(node.lineno, a.name) for a in node.names]
+                continue
             out.append((node.lineno, name))
             out += [(node.lineno, f"{name}.{a.name}") for a in node.names if a.name != "*"]
-    return out
+    return [(line, name[len("dtrun."):] if name.startswith("dtrun.") else name) for line, name in out]
 
 
 def import_edges() -> list[tuple[str, int, str]]:

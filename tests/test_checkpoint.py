@@ -1,4 +1,4 @@
-"""collectives.dp's checkpoints against a hostile shared directory, damaged files and states
+"""dtrun.collectives.dp's checkpoints against a hostile shared directory, damaged files and states
 that fail: real processes (alone, or two ranks under dtrun) running tests/checkpoint_cases.py.
 
 The attack test needs root and a second uid (created as ``dtother``, uid 4242, when missing).
@@ -99,7 +99,7 @@ def shared_dir():
 
 def _plant_links(other_user, shared: Path, victim: Path, pid: int) -> None:
     """The other user points every name a save might use at ``victim``."""
-    from collectives.checkpoint import _host_tag
+    from dtrun.collectives.checkpoint import _host_tag
 
     script = ("import os, sys\nd, victim, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])\n"
               "for i in range(2, 32768):\n    os.symlink(victim, f'{d}/ckpt.pt.tmp.{i}')\n"
@@ -207,7 +207,7 @@ def test_a_file_torch_save_wrote_directly_still_loads(tmp_path):
 
 
 def test_the_next_save_removes_what_a_killed_save_left(tmp_path):
-    from collectives.checkpoint import _host_tag
+    from dtrun.collectives.checkpoint import _host_tag
 
     path = tmp_path / "ckpt.pt"
     p = subprocess.run([PYTHON, CASES, "save-killed", str(path)], capture_output=True, text=True,

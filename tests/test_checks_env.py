@@ -1,9 +1,9 @@
 """Pure logic of the env, GPU and end-to-end checks, and the tree-spawn pairs, on values."""
 import pytest
 
-from checks import e2e, env, gpu
-from checks.doctor import radix_parent, ssh_pair_findings, tree_spawn_pairs
-from checks.result import FAIL, NA, OK, WARN, Finding, worst
+from dtrun.checks import e2e, env, gpu
+from dtrun.checks.doctor import radix_parent, ssh_pair_findings, tree_spawn_pairs
+from dtrun.checks.result import FAIL, NA, OK, WARN, Finding, worst
 
 VENV = "/opt/venv/bin"
 LOCAL = env.LocalFacts(

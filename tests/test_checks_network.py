@@ -1,10 +1,10 @@
 """Pure logic of the network and firewall checks: parsing, the subnet choice, blame for blocked pairs."""
 import json
 
-from checks import firewall, network
-from checks.network import Interface, Recommendation
-from checks.result import FAIL, OK, WARN
-from launcher.flavors import MPICH, OPENMPI, Flavor
+from dtrun.checks import firewall, network
+from dtrun.checks.network import Interface, Recommendation
+from dtrun.checks.result import FAIL, OK, WARN
+from dtrun.launcher.flavors import MPICH, OPENMPI, Flavor
 
 
 def ip_json(*ifaces):

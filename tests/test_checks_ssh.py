@@ -10,9 +10,9 @@ import time
 import paramiko
 import pytest
 
-from checks import keyscan, preflight, probe, ssh
-from checks.errors import CheckTimeout, HostKeyChanged, HostKeyUnknown
-from launcher.hostfile import HostSlots
+from dtrun.checks import keyscan, preflight, probe, ssh
+from dtrun.checks.errors import CheckTimeout, HostKeyChanged, HostKeyUnknown
+from dtrun.launcher.hostfile import HostSlots
 
 CONFIG = """
 Host h1
@@ -148,9 +148,9 @@ def test_preflight_cache_expires(tmp_path, monkeypatch):
 def test_fan_out_answers_for_every_host_and_never_stops_at_a_failure():
     from types import SimpleNamespace
 
-    from checks.errors import ConnectTimeout
-    from checks.result import FAIL
-    from checks.ssh import fan_out
+    from dtrun.checks.errors import ConnectTimeout
+    from dtrun.checks.result import FAIL
+    from dtrun.checks.ssh import fan_out
 
     def work(t):
         if t.name.startswith("bad"):

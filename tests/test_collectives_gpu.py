@@ -79,8 +79,8 @@ def fresh_comm(monkeypatch, path: str, lib: str):
     """A communicator whose GPU context was set up for ``path``; skip if unavailable."""
     from mpi4py import MPI
 
-    import collectives
-    from collectives import gpu
+    from dtrun import collectives
+    from dtrun.collectives import gpu
     if path != "nccl":
         monkeypatch.setenv("DTRUN_NCCL", "0")
     if path == "staging":
@@ -151,7 +151,7 @@ def test_gpu_half_and_bfloat16_torch(monkeypatch, path):
 
 
 def test_gpu_errors(any_cuda):
-    import collectives
+    from dtrun import collectives
     comm = collectives.init()
     lib = "torch" if _torch_cuda() is not None else "cupy"
     x = make(lib, np.zeros((4, 4)))
@@ -160,7 +160,7 @@ def test_gpu_errors(any_cuda):
 
 
 def test_cuda_aware_query_answers(any_cuda):
-    from collectives import gpu
+    from dtrun.collectives import gpu
     assert gpu.cuda_aware_mpi() in (True, False, None)
     assert gpu.device_count() >= 1
     assert gpu.describe_device().startswith("cuda:")
@@ -185,7 +185,7 @@ def test_smoke_cuda(any_cuda, n):
         pytest.skip("neither dtrun nor mpirun is installed")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd + [sys.executable, "-m", "collectives.smoke", "--device", "cuda",
+    proc = subprocess.run(cmd + [sys.executable, "-m", "dtrun.collectives.smoke", "--device", "cuda",
                                  "--timeout", "120"],
                           capture_output=True, text=True, timeout=300, cwd=repo, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

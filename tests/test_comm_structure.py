@@ -4,8 +4,8 @@ list of arrays and reused, and one Comm per process owns the flight recorder."""
 import numpy as np
 import pytest
 
-from collectives import comm as comm_mod
-from collectives import fusion, recorder
+from dtrun.collectives import comm as comm_mod
+from dtrun.collectives import fusion, recorder
 
 
 @pytest.fixture

@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from launcher.remote import rankexec
-from launcher.command import LaunchSpec, build_command, format_dry_run, build_groups, redact_args
-from launcher.errors import ExitCode, MpiFlavorError, UsageError
-from launcher.flavors import MPICH, OPENMPI, Flavor, parse_version_output
-from launcher.hostfile import parse_host_list
-from launcher.job.markers import parse_marker
-from launcher.job.result import JobResult, RankFailure, exit_code_for
-from launcher.job.summary import failure_summary
+from dtrun.launcher.remote import rankexec
+from dtrun.launcher.command import LaunchSpec, build_command, format_dry_run, build_groups, redact_args
+from dtrun.launcher.errors import ExitCode, MpiFlavorError, UsageError
+from dtrun.launcher.flavors import MPICH, OPENMPI, Flavor, parse_version_output
+from dtrun.launcher.hostfile import parse_host_list
+from dtrun.launcher.job.markers import parse_marker
+from dtrun.launcher.job.result import JobResult, RankFailure, exit_code_for
+from dtrun.launcher.job.summary import failure_summary
 
 OMPI4 = Flavor(OPENMPI, (4, 1, 4), "/usr/bin/mpirun", "/usr")
 OMPI5 = Flavor(OPENMPI, (5, 0, 11), "/venv/bin/mpirun", "/venv")
@@ -97,7 +97,7 @@ def test_ssh_config_and_no_tree_spawn_per_version():
 
 def test_ssh_config_path_open_mpi_would_split_is_refused():
     """ORTE and PRRTE split plm_ssh_args on spaces, with no quoting: such a path never reaches them."""
-    from launcher.errors import InvalidValue
+    from dtrun.launcher.errors import InvalidValue
     for bad in ("/c/ssh config", "/x -oProxyCommand=touch", "/c/a\nb"):
         for flavor in (OMPI4, OMPI5):
             with pytest.raises(InvalidValue):
@@ -198,7 +198,7 @@ def test_python_programs_are_run_under_mpi4py_abort_handler():
 
 
 def test_root_cause_first_whatever_the_arrival_order():
-    from launcher.job.result import order_failures
+    from dtrun.launcher.job.result import order_failures
     killed = RankFailure("0", "h1", signum=15)
     failed = RankFailure("2", "h3", code=5)
     segv = RankFailure("1", "h2", signum=11)
@@ -209,7 +209,7 @@ def test_root_cause_first_whatever_the_arrival_order():
 
 def test_shared_subnet_is_the_local_network_holding_every_host():
     import ipaddress
-    from launcher.netinfo import shared_subnet
+    from dtrun.launcher.netinfo import shared_subnet
     nets = [("docker0", ipaddress.ip_network("172.17.0.0/16")), ("eth0", ipaddress.ip_network("10.0.0.0/24")),
             ("ib0", ipaddress.ip_network("10.1.0.0/16"))]
     s = shared_subnet(["10.0.0.11", "10.0.0.12"], nets)
@@ -246,7 +246,7 @@ def test_local_networks_lists_exactly_the_up_non_loopback_networks():
             ip("-n", ns, "link", "set", dev, "up")
         out = subprocess.run(
             ["ip", "netns", "exec", ns, PYTHON, "-c",
-             "from launcher.netinfo import local_networks; print(sorted((n, str(c)) for n, c in local_networks()))"],
+             "from dtrun.launcher.netinfo import local_networks; print(sorted((n, str(c)) for n, c in local_networks()))"],
             capture_output=True, text=True, timeout=30, cwd=REPO)
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
@@ -255,7 +255,7 @@ def test_local_networks_lists_exactly_the_up_non_loopback_networks():
 
 
 def test_exclude_iface_adds_to_the_default_never_replaces_it():
-    from launcher.launch import exclusions
+    from dtrun.launcher.launch import exclusions
     merged, why = exclusions(("docker0",))
     assert merged == ("lo", "docker0") and "nothing new" in why
     merged, why = exclusions(("eth9", "lo", "ib1"))
@@ -267,7 +267,7 @@ def test_exclude_iface_adds_to_the_default_never_replaces_it():
 
 
 def test_log_dir_run_id_sorts_by_time_and_names_the_process():
-    from launcher.launch import new_run_id
+    from dtrun.launcher.launch import new_run_id
     assert re.search(r"-42-[0-9a-f]{8}$", new_run_id(now=0, pid=42))
     assert new_run_id(now=1e9, pid=1) < new_run_id(now=2e9, pid=1)
 
@@ -282,7 +282,7 @@ def test_marker_says_whether_the_signal_came_from_the_teardown():
 
 
 def test_kill_9_of_a_rank_beats_open_mpis_abort_report():
-    from launcher.job.result import order_failures
+    from dtrun.launcher.job.result import order_failures
     killed = parse_marker("dtrun-rank-exit: rank=1 host=n2 signal=9 forwarded=0")
     aborted = RankFailure("0", "n1", code=14)  # a consequence: its peer vanished
     torn = parse_marker("dtrun-rank-exit: rank=2 host=n3 signal=15 forwarded=1")
@@ -298,14 +298,14 @@ def test_failing_rank_code_wins_over_the_launchers_own_code():
 
 
 def test_stdout_closed_is_not_blamed_on_a_rank():
-    from launcher.job.result import SIGPIPE_EXIT
+    from dtrun.launcher.job.result import SIGPIPE_EXIT
     r = JobResult(returncode=SIGPIPE_EXIT, mpirun_returncode=1, failures=[RankFailure("0", "h", signum=15, forwarded=True)], stdout_closed=True)
     text = failure_summary(r)
     assert "stdout was closed" in text and "rank 0" not in text
 
 
 def test_lost_daemon_names_its_host():
-    from launcher.job.parsers import lost_daemon_host
+    from dtrun.launcher.job.parsers import lost_daemon_host
     text = ("PRTE has lost communication with a remote daemon.\n\n"
             "  HNP daemon   : [prterun-vm-18823@0,0] on node vm\n"
             "  Remote daemon: [prterun-vm-18823@0,2] on node dt03e6-h2\n")
@@ -327,8 +327,8 @@ def test_timeout_and_signal_summaries():
 
 
 def test_start_timeout_names_hosts_of_missing_ranks():
-    from launcher.job.result import expected_hosts
-    from launcher.job.summary import not_started_message
+    from dtrun.launcher.job.result import expected_hosts
+    from dtrun.launcher.job.summary import not_started_message
     expected = expected_hosts(tuple(parse_host_list("a:2,b:1,c:1")), 4)
     assert expected == ["a", "a", "b", "c"]
     msg = not_started_message(expected, {"0": "a", "1": "a"}, 30)
@@ -336,14 +336,14 @@ def test_start_timeout_names_hosts_of_missing_ranks():
 
 
 def test_every_catchable_terminating_signal_stops_the_job():
-    from launcher.job.supervisor import STOP_SIGNALS
+    from dtrun.launcher.job.supervisor import STOP_SIGNALS
     for s in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
               signal.SIGALRM, signal.SIGXCPU):
         assert s in STOP_SIGNALS
 
 
 def test_mpich_notes_for_options_hydra_cannot_take():
-    from launcher.command import flavor_notes
+    from dtrun.launcher.command import flavor_notes
     notes = flavor_notes(spec(no_tree_spawn=True, exclude_iface=("lo", "docker0", "eth1")), HYDRA)
     assert any(n.startswith("--no-tree-spawn: Hydra starts every proxy from this host") for n in notes)
     assert any(n.startswith("--exclude-iface eth1: Hydra has no exclude list") for n in notes)
@@ -359,7 +359,7 @@ def test_mpich_subnet_maps_to_the_one_interface_name_every_host_uses():
     text = line(build_command(s, HYDRA))
     assert "-iface eth0 -localhost 10.1.0.1 " in text
     differ = (("s1", (("eth0", "10.1.0.11/24"),)), ("s2", (("ens5", "10.1.0.12/24"),)))
-    from launcher.command import flavor_notes
+    from dtrun.launcher.command import flavor_notes
     s2 = spec(include_iface=("10.1.0.0/24",), host_ifaces=differ)
     assert "-iface" not in line(build_command(s2, HYDRA))
     assert any("interface names on that subnet differ between hosts (s1: eth0; s2: ens5)" in n
@@ -375,7 +375,7 @@ def test_dry_run_prints_notes():
 
 
 def test_earliest_exit_is_the_root_cause_not_the_peer_that_aborted_after_it():
-    from launcher.job.result import order_failures
+    from dtrun.launcher.job.result import order_failures
     exited = parse_marker("dtrun-rank-exit: rank=2 host=h3 code=3 t=1000.100000")
     aborted = parse_marker("[1,1]<stderr>: dtrun-rank-exit: rank=1 host=h2 code=14 t=1000.350000")
     assert order_failures([aborted, exited], reported_rank="1") == [exited, aborted]
@@ -383,7 +383,7 @@ def test_earliest_exit_is_the_root_cause_not_the_peer_that_aborted_after_it():
 
 
 def test_end_of_output_markers_are_taken_out_of_stdout_whatever_the_tag_or_chunking():
-    from launcher.job.markers import split_eof_markers
+    from dtrun.launcher.job.markers import split_eof_markers
     raw = "[1,1]<stdout>: a\n[1,1]<stdout>: dtrun-rank-eof: rank=1\n[1,0]<stdout>: b\n[1,0]<stdout>:dtrun-rank-eof: rank=0\n"
     for cut in range(len(raw) + 1):
         seen = set()
@@ -398,7 +398,7 @@ def test_end_of_output_markers_are_taken_out_of_stdout_whatever_the_tag_or_chunk
 
 
 def test_output_cut_short_names_ranks_whose_last_line_never_came():
-    from launcher.job.supervisor import JobSupervisor as RunningJob, output_cut_short
+    from dtrun.launcher.job.supervisor import JobSupervisor as RunningJob, output_cut_short
 
     class P:
         pid = 1
@@ -430,15 +430,15 @@ def test_users_own_hydra_iface_in_mpi_args_is_not_doubled():
 
 
 def _multi_host_spec(choice=None, shared=None, environ=None, **opts):
-    from launcher.hosts import HostSelection
-    from launcher.launch import LaunchOptions, LocalFacts, make_spec
+    from dtrun.launcher.hosts import HostSelection
+    from dtrun.launcher.launch import LaunchOptions, LocalFacts, make_spec
     selection = HostSelection(tuple(parse_host_list("node-a.invalid:2,node-b.invalid:2")), "-H")
     return make_spec(LaunchOptions(program=("true",), **opts), OMPI5, selection, environ or {}, choice,
                      LocalFacts(shared))
 
 
 def test_make_spec_applies_the_preflight_choice_unless_the_user_chose():
-    from launcher.netinfo import InterfaceChoice
+    from dtrun.launcher.netinfo import InterfaceChoice
     choice = InterfaceChoice("10.0.0.0/24", "=eth0", "subnet 10.0.0.0/24 shared by all hosts, found by the preflight")
     s = _multi_host_spec(choice)
     assert s.include_iface == ("10.0.0.0/24",) and s.nccl_socket_ifname == "=eth0"
@@ -451,7 +451,7 @@ def test_make_spec_applies_the_preflight_choice_unless_the_user_chose():
     assert other.include_iface == ("ib0",) and other.nccl_socket_ifname is None
     nccl = _multi_host_spec(choice, environ={"NCCL_SOCKET_IFNAME": "ib0"})
     assert nccl.include_iface == ("10.0.0.0/24",) and nccl.nccl_socket_ifname is None
-    from launcher.netinfo import SharedSubnet
+    from dtrun.launcher.netinfo import SharedSubnet
     guessed = _multi_host_spec(None, SharedSubnet("eth1", "10.9.0.0/16"))
     assert guessed.include_iface == ("10.9.0.0/16",) and "inferred on this machine" in guessed.iface_reason
     assert _multi_host_spec(choice, SharedSubnet("eth1", "10.9.0.0/16")).include_iface == ("10.0.0.0/24",)
@@ -463,9 +463,9 @@ def test_make_spec_is_pure_no_dns_no_ip_no_files(monkeypatch, tmp_path):
     import socket
     import subprocess
 
-    from launcher.hostfile import HostSlots
-    from launcher.hosts import HostSelection
-    from launcher.launch import LaunchOptions, make_spec
+    from dtrun.launcher.hostfile import HostSlots
+    from dtrun.launcher.hosts import HostSelection
+    from dtrun.launcher.launch import LaunchOptions, make_spec
 
     def refuse(*a, **k):
         raise AssertionError(f"make_spec reached outside the process: {a[:1]}")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from launcher.cli import SUBCOMMANDS
+from dtrun.launcher.cli import SUBCOMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -4,7 +4,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from launcher.cli import sub_app
+from dtrun.launcher.cli import sub_app
 from tests.dtrun_helpers import dtrun, one_line_error
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from checks import e2e
+from dtrun.checks import e2e
 from tests.cluster_plugin import skip_if_unavailable
 from tests.dtrun_helpers import DTRUN, dtrun, user_env
 from tests.nscluster import Cluster

@@ -1,4 +1,4 @@
-"""collectives.dp (data-parallel PyTorch): equivalence with single-rank training on real
+"""dtrun.collectives.dp (data-parallel PyTorch): equivalence with single-rank training on real
 ranks under dtrun, bit-identical parameters on every rank, the error cases, and the
 example. Skipped with the reason where PyTorch is not installed."""
 
@@ -35,7 +35,7 @@ def results(proc) -> list[dict]:
 
 # ----------------------------------------------------------------------------- pure parts
 def test_shard_partitions_every_item_once_per_seed():
-    from collectives.dp import shard
+    from dtrun.collectives.dp import shard
 
     for n_items, size in [(10, 3), (12, 4), (5, 8), (0, 2), (7, 1)]:
         parts = [shard(n_items, seed=5, rank=r, size=size) for r in range(size)]
@@ -54,7 +54,7 @@ def test_shard_partitions_every_item_once_per_seed():
 
 
 def test_first_difference_names_parameter_and_rank():
-    from collectives.dp import _first_difference
+    from dtrun.collectives.dp import _first_difference
 
     ref = [("fc.weight", (4, 2), "float32"), ("fc.bias", (4,), "float32")]
     assert _first_difference([ref, list(ref)]) is None
@@ -74,7 +74,7 @@ def test_calling_before_init_says_so():
 
 
 def test_bad_arguments_are_one_line_errors(monkeypatch):
-    import collectives.dp as dp
+    import dtrun.collectives.dp as dp
 
     ctx = dp.init()  # a singleton MPI job in this process
     model = torch.nn.Linear(3, 2)
@@ -208,7 +208,7 @@ def test_a_ring_the_firewall_blocks_falls_back_to_mpi_in_one_line(cluster3, tmp_
     finally:
         cluster3.exec(h2, ["iptables", "-D", *rule], check=True)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    said = [ln for ln in (p.stdout + p.stderr).splitlines() if "collectives.dp:" in ln]
+    said = [ln for ln in (p.stdout + p.stderr).splitlines() if "dtrun.collectives.dp:" in ln]
     assert len(said) == 1, said
     assert re.search(rf"collectives\.dp: rank 0 could not join the ring between hosts: "
                      rf"{re.escape(h2.addr)}:470\d\d: timed out; gradients go through MPI "

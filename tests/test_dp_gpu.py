@@ -1,4 +1,4 @@
-"""collectives.dp and the torch.distributed env:// path on CUDA tensors.
+"""dtrun.collectives.dp and the torch.distributed env:// path on CUDA tensors.
 
 Skipped with the reason on a machine without a CUDA device visible to PyTorch; nothing
 is faked. On a GPU machine:  python -m pytest -m gpu tests/test_dp_gpu.py -v

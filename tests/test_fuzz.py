@@ -17,7 +17,7 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
-from launcher.cli import main
+from dtrun.launcher.cli import main
 from tests.dtrun_helpers import DTRUN, user_env
 
 SEED = 14
@@ -174,7 +174,7 @@ def isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     for k in [k for k in os.environ if k.startswith("SLURM_") or k == "DTRUN_SSH_CONFIG"]:
         monkeypatch.delenv(k)
-    from launcher.flavors import detect_flavor, find_mpirun
+    from dtrun.launcher.flavors import detect_flavor, find_mpirun
     detect_flavor(find_mpirun())
     return cache
 

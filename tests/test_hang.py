@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from launcher.remote import agent as remote_agent, pystacks, wire
-from launcher.jobstate import JobInfo
-from launcher.stacks import HostAnswer, collect, format_ranks, roll_call
+from dtrun.launcher.remote import agent as remote_agent, pystacks, wire
+from dtrun.launcher.jobstate import JobInfo
+from dtrun.launcher.stacks import HostAnswer, collect, format_ranks, roll_call
 from tests.dtrun_helpers import DTRUN, PYTHON, REPO, command_lines, start_script_job, user_env, wait_until_empty
 
 RUNTIME = str(REPO / "collectives" / "comm.py")
@@ -85,11 +85,11 @@ def test_recorder_file_is_read_by_the_agent(tmp_path, monkeypatch, compiled):
     monkeypatch.setenv("DTRUN_JOB_DIR", str(tmp_path))
     monkeypatch.setenv("DTRUN_COMPILED", compiled)
     import numpy as np
-    from collectives import comm as comm_mod, recorder
+    from dtrun.collectives import comm as comm_mod, recorder
 
     monkeypatch.setattr(recorder, "OWNER", recorder.Owner())
     c = comm_mod.Comm()
-    from collectives import shm1
+    from dtrun.collectives import shm1
     assert (c._rec_store == c._py_rec_store) == (compiled == "0" or not shm1._fastshm)
     for _ in range(recorder.RING + 3):
         c.allreduce(np.ones(5, np.float64))
@@ -112,7 +112,7 @@ def test_recorder_names_a_non_blocking_op_like_its_blocking_twin(tmp_path, monke
     """Each pair shares one set-up, so both forms leave the same entry (under the blocking name)."""
     monkeypatch.setenv("DTRUN_JOB_DIR", str(tmp_path))
     import numpy as np
-    from collectives import comm as comm_mod, recorder
+    from dtrun.collectives import comm as comm_mod, recorder
 
     monkeypatch.setattr(recorder, "OWNER", recorder.Owner())
     c = comm_mod.Comm()
@@ -136,7 +136,7 @@ def test_recorder_names_a_non_blocking_op_like_its_blocking_twin(tmp_path, monke
 
 def test_faulthandler_boot_dumps_a_blocked_program(tmp_path):
     """The rank wrapper's boot code arms faulthandler; the agent's signal gets every thread's stack."""
-    from launcher.remote import rankstate
+    from dtrun.launcher.remote import rankstate
 
     script = tmp_path / "blocked.py"
     script.write_text("import threading\n\ndef wait_forever():\n    threading.Event().wait(60)\n\nwait_forever()\n")
@@ -245,7 +245,7 @@ def _token_procs(token):
 
 # How both runtime programs start: three collectives, then "ready".
 RUNTIME_START = """import numpy as np
-import collectives
+from dtrun import collectives
 c = collectives.init()
 x = np.ones(8, np.float32)
 for _ in range(3):
@@ -339,7 +339,7 @@ def test_plain_program_named_by_output_silence_and_report_leaves_it_running(clus
 
 HEALTHY = """import time
 import numpy as np
-import collectives
+from dtrun import collectives
 c = collectives.init()
 x = np.ones(8, np.float32)
 print("up", flush=True)

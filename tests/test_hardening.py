@@ -14,8 +14,8 @@ import time
 import paramiko
 import pytest
 
-from checks import keyscan, ssh
-from checks.errors import HostKeyChanged, HostKeyRevoked, HostKeyUnknown
+from dtrun.checks import keyscan, ssh
+from dtrun.checks.errors import HostKeyChanged, HostKeyRevoked, HostKeyUnknown
 from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, one_line_error, user_env
 
 
@@ -188,7 +188,7 @@ def test_fifo_and_devices_are_refused_without_hanging(tmp_path):
 def test_many_hosts_with_slow_dns_neither_crash_nor_wait(monkeypatch):
     """A DNS server that takes 3 s per name cannot be set up here without changing the machine's
     resolver for everyone, so getaddrinfo is replaced by one that sleeps (the only stand-in here)."""
-    from launcher import netinfo
+    from dtrun.launcher import netinfo
 
     def slow(*args, **kwargs):
         time.sleep(3)
@@ -277,8 +277,8 @@ def test_x_name_forwards_a_value_without_showing_it(mpirun):
 
 @pytest.mark.parametrize("content", ["[]", "null", '{"time": "x"}', "{", '"text"'])
 def test_corrupt_preflight_cache_entry_is_ignored(tmp_path, monkeypatch, content):
-    from checks import preflight
-    from launcher.hostfile import HostSlots
+    from dtrun.checks import preflight
+    from dtrun.launcher.hostfile import HostSlots
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     key = preflight.cache_key((HostSlots("h1"),), None)
     path = tmp_path / "dtrun" / "preflight" / f"{key}.json"

@@ -125,8 +125,8 @@ time.sleep(60)
 def test_a_dump_request_that_loses_the_race_is_dropped(tmp_path):
     """The agent reads SigCgt right before it signals, but the handler can go in between. In a
     rank started by the wrapper's boot code, what faulthandler leaves behind ignores the signal."""
-    from launcher.remote import rankstate
-    from launcher.remote import procfs
+    from dtrun.launcher.remote import rankstate
+    from dtrun.launcher.remote import procfs
 
     script = tmp_path / "closes.py"
     script.write_text(CLOSES)
@@ -158,7 +158,7 @@ def test_a_dump_request_that_loses_the_race_is_dropped(tmp_path):
 HOSTILE = r"""
 import json, os, signal, socket, subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
-from launcher.remote.procfs import proc_start
+from dtrun.launcher.remote.procfs import proc_start
 
 base, agent = sys.argv[2], sys.argv[3]
 host = socket.gethostname()
@@ -299,7 +299,7 @@ def test_kill_agent_refuses_hostile_job_files(tmp_path, pid_namespace):
 def test_dump_agent_does_not_signal_a_process_a_rank_file_names(tmp_path):
     """A rank file (and .armed file) naming an innocent Python process: the stack agent neither
     signals it (SIGRTMIN+6 would kill it) nor attaches to it, and says why."""
-    from launcher.remote.procfs import proc_start
+    from dtrun.launcher.remote.procfs import proc_start
 
     job_dir = tmp_path / "job"
     job_dir.mkdir()
@@ -342,7 +342,7 @@ time.sleep(300)
 
 @pytest.mark.mpi
 def test_stopped_job_whose_rank_names_another_process_leaves_it_alive(tmp_path):
-    from launcher.remote.procfs import proc_start
+    from dtrun.launcher.remote.procfs import proc_start
 
     script = tmp_path / "impostor.py"
     script.write_text(IMPOSTOR)
@@ -444,7 +444,7 @@ def test_kill_agent_proves_an_open_mpi_5_daemon_whose_ranks_ended_by_its_namespa
     """After Ctrl-C the ranks may be gone while their daemon lingers: no rank is left to prove it
     the job's. dtrun passes the job's PMIx namespace (this host, mpirun's pid); a daemon started
     with it is killed, one of another namespace is left alone."""
-    from launcher.remote.procfs import proc_start
+    from dtrun.launcher.remote.procfs import proc_start
 
     prted = tmp_path / "prted"  # a process named like PRRTE's daemon, with its command line
     shutil.copy(sys.executable, prted)

@@ -17,10 +17,10 @@ import sys
 
 import pytest
 
-from launcher.remote import rankexec
-from launcher.job.markers import parse_marker, parse_start_marker, split_eof_markers
-from launcher.job.result import JobResult
-from launcher.job.summary import failure_summary
+from dtrun.launcher.remote import rankexec
+from dtrun.launcher.job.markers import parse_marker, parse_start_marker, split_eof_markers
+from dtrun.launcher.job.result import JobResult
+from dtrun.launcher.job.summary import failure_summary
 from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, user_env
 
 HOST = socket.gethostname()
@@ -52,7 +52,7 @@ def test_log_dir_run_directory_is_private_and_unguessable(tmp_path):
     assert [_mode(logs / run / f"rank.{r}.log") for r in (0, 1)] == [0o600, 0o600]
     assert (logs / run / "rank.1.log").read_text() == "from 1\n"
     assert os.readlink(logs / "latest") == run
-    from launcher.launch import new_run_id
+    from dtrun.launcher.launch import new_run_id
 
     assert new_run_id(now=1e9, pid=7) != new_run_id(now=1e9, pid=7)
 
@@ -61,7 +61,7 @@ def test_log_dir_run_directory_is_private_and_unguessable(tmp_path):
 def test_log_dir_never_reuses_a_run_directory_that_exists(tmp_path, monkeypatch, capsys, planted):
     """Someone who knows the run's directory name (as the old time-and-pid name let anyone
     guess) creates it first: dtrun refuses with one line and exit 2, writes nothing there."""
-    from launcher import cli, launch
+    from dtrun.launcher import cli, launch
 
     logs, victim = tmp_path / "logs", tmp_path / "victim"
     logs.mkdir()
@@ -310,7 +310,7 @@ def test_markers_need_the_jobs_token():
 # ---- item 14: name the launcher that ran ---------------------------------------------------
 
 def test_summary_names_the_launcher():
-    from launcher.job.result import launcher_name
+    from dtrun.launcher.job.result import launcher_name
 
     assert launcher_name(["env", "NCCL_SOCKET_IFNAME=^lo,docker0", "/usr/bin/srun", "--ntasks=2"]) == "srun"
     assert launcher_name(["/usr/bin/mpiexec.hydra", "-n", "2"]) == "mpiexec.hydra"

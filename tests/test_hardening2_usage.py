@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from checks import doctor, preflight
-from checks.result import FAIL, OK, WARN, Finding
-from launcher.command import build_command, build_groups
-from launcher.flavors import MPICH, OPENMPI, Flavor
-from launcher.hostfile import HostSlots, parse_host_list
-from launcher.interfaces import Interface
+from dtrun.checks import doctor, preflight
+from dtrun.checks.result import FAIL, OK, WARN, Finding
+from dtrun.launcher.command import build_command, build_groups
+from dtrun.launcher.flavors import MPICH, OPENMPI, Flavor
+from dtrun.launcher.hostfile import HostSlots, parse_host_list
+from dtrun.launcher.interfaces import Interface
 from tests.dtrun_helpers import dtrun, one_line_error, user_env
 from tests.test_command import HYDRA, OMPI4, OMPI5, line, spec
 
@@ -171,7 +171,7 @@ def test_the_cache_is_written_private_and_read_back(tmp_path, monkeypatch):
 @pytest.mark.cluster
 def test_dry_run_never_shows_a_poisoned_cached_subnet(cluster3, tmp_path):
     """The reproduction: an `include` of 192.0.2.0/24 planted in the cache was shown as found by the preflight."""
-    from checks.ssh import ssh_config_path
+    from dtrun.checks.ssh import ssh_config_path
 
     env = user_env(XDG_CACHE_HOME=str(tmp_path))
     hosts = ",".join(f"{h.name}:1" for h in cluster3.hosts)
@@ -253,7 +253,7 @@ def test_one_sided_mpi_across_hosts_is_right_and_quiet(make_cluster, tmp_path):
     assert "OSC UCX" not in out and "component query failed" not in out
     # the runtime's own window (collectives.init) across hosts: quiet too
     p = dtrun("--ssh-config", c.ssh_config, "-H", hosts, "python", "-c",
-              "import collectives; collectives.init(); print('INIT OK', flush=True)", env=env, timeout=120)
+              "from dtrun import collectives; collectives.init(); print('INIT OK', flush=True)", env=env, timeout=120)
     assert p.returncode == 0 and p.stdout.count("INIT OK") == 2, p.stdout + p.stderr
     assert "OSC UCX" not in p.stdout + p.stderr
 

@@ -37,7 +37,7 @@ AS_LIMIT = 3 << 30
 # mapping by then, and the job ends with a barrier of MPI's own.
 RECORDER_JOB = """import os, sys, time
 import numpy as np
-import collectives
+from dtrun import collectives
 from mpi4py import MPI
 c = collectives.init()
 x = np.ones(8, np.float32)
@@ -195,7 +195,7 @@ TORCH_JOB = """import os, signal, sys, time
 from datetime import timedelta
 import torch
 import torch.distributed as dist
-import collectives.dp as dp
+import dtrun.collectives.dp as dp
 dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=90))
 dp.init()
 rank = dist.get_rank()
@@ -232,7 +232,7 @@ def _stacks(env):
 @pytest.mark.mpi
 def test_stacks_of_a_torch_job_read_every_rank_and_say_what_a_replaced_handler_is(tmp_path):
     pytest.importorskip("torch", reason="PyTorch is not installed")
-    from launcher.remote import procfs
+    from dtrun.launcher.remote import procfs
 
     script = tmp_path / "torch_job.py"
     script.write_text(TORCH_JOB)

@@ -1,4 +1,4 @@
-"""collectives.horovod.tensorflow and .keras: Horovod's TensorFlow 2 and Keras 3 API on real
+"""dtrun.collectives.horovod.tensorflow and .keras: Horovod's TensorFlow 2 and Keras 3 API on real
 ranks under dtrun (1, 2, 3 ranks, and 2 namespace hosts x 2 ranks). tests/horovod_tf_cases.py
 is the rank program (one launch per size: TensorFlow starts slowly): the collectives on
 tensors and variables, eager and in tf.function, against NumPy; DistributedGradientTape with

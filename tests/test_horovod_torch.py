@@ -1,4 +1,4 @@
-"""collectives.horovod.torch: Horovod's PyTorch API on real ranks under dtrun (1, 2, 3
+"""dtrun.collectives.horovod.torch: Horovod's PyTorch API on real ranks under dtrun (1, 2, 3
 ranks, and 2 namespace hosts x 2 ranks). tests/horovod_torch_cases.py is the rank program:
 every collective and its _async form against NumPy for Horovod's dtypes, matching by name,
 the mismatched-shape error, join, objects, the unsupported API, SyncBatchNorm training
@@ -153,7 +153,7 @@ def test_a_list_where_another_rank_passes_a_tensor_fails_on_every_rank():
 
 # ----------------------------------------------------------------------------- pure parts
 def test_compare_names_the_rank_and_the_difference():
-    from collectives.horovod._core import compare
+    from dtrun.collectives.horovod._core import compare
 
     sig = lambda kind, *shapes, op="sum", root=-1, dt="float32": (  # noqa: E731
         kind, shapes, (dt,) * len(shapes), op, root)
@@ -175,7 +175,7 @@ def test_compare_names_the_rank_and_the_difference():
 
 
 def test_split_rows_is_horovods():
-    from collectives.horovod._core import split_rows
+    from dtrun.collectives.horovod._core import split_rows
 
     assert split_rows(10, 4) == [3, 3, 2, 2]
     assert split_rows(2, 3) == [1, 1, 0]
@@ -198,7 +198,7 @@ def test_each_module_imports_only_its_framework():
 
 
 def test_unsupported_api_names_itself_before_init():
-    import collectives.horovod.torch as hvd
+    import dtrun.collectives.horovod.torch as hvd
 
     with pytest.raises(hvd.HorovodUnsupportedError) as e:
         hvd.ProcessSet  # noqa: B018

@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from launcher.errors import HostfileError, UnknownHostError, UsageError
-from launcher.hostfile import (
+from dtrun.launcher.errors import HostfileError, UnknownHostError, UsageError
+from dtrun.launcher.hostfile import (
     HostSlots, parse_cluster_yaml, parse_host_list, parse_hostfile, read_cluster_file,
     read_hostfile, slurm_hosts,
 )
-from launcher.hosts import HostSelection, merge_duplicates, resolve_hosts, resolve_np
+from dtrun.launcher.hosts import HostSelection, merge_duplicates, resolve_hosts, resolve_np
 
 HOSTFILES = Path(__file__).resolve().parent.parent / "hostfiles"
 

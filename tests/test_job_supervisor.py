@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from launcher.cli import main
-from launcher.job import supervisor
-from launcher.job.result import StopReason
+from dtrun.launcher.cli import main
+from dtrun.launcher.job import supervisor
+from dtrun.launcher.job.result import StopReason
 from tests.dtrun_helpers import PYTHON
 
 pytestmark = pytest.mark.mpi

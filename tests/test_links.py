@@ -1,5 +1,5 @@
 """doctor --links on values: which pairs are measured, and who is named (checks/links.py)."""
-from checks.links import link_findings, plan
+from dtrun.checks.links import link_findings, plan
 
 
 def fast(mbps=10000.0, rtt=0.05):
@@ -49,7 +49,7 @@ def test_noise_below_the_factor_is_not_named_and_errors_are():
 
 
 def test_suspects_are_measured_again_and_the_better_figure_kept():
-    from checks.links import better, suspects
+    from dtrun.checks.links import better, suspects
 
     names = ["a", "b", "c"]
     res = {(x, y): fast() for x in names for y in names if x != y}

@@ -74,12 +74,12 @@ def test_hierarchical_paths_on_four_ranks():
 # ----------------------------------------------------------------------------- local checks
 @pytest.fixture(scope="module")
 def comm1():
-    import collectives
+    from dtrun import collectives
     return collectives.init()
 
 
 def test_grouped_refuses_read_only_arrays(comm1):
-    from collectives import ReadOnlyError
+    from dtrun.collectives import ReadOnlyError
     blob = bytes(16)
     arrays = [np.zeros(3), np.frombuffer(blob, np.int32)]
     with pytest.raises(ReadOnlyError, match=r"array 1 \(shape \(4,\), int32\) is read-only"):
@@ -92,7 +92,7 @@ def test_grouped_refuses_read_only_arrays(comm1):
 
 
 def test_inplace_refuses_read_only_arrays(comm1):
-    from collectives import ReadOnlyError
+    from dtrun.collectives import ReadOnlyError
     x = np.frombuffer(bytes(16), np.int32)
     with pytest.raises(ReadOnlyError, match="read-only"):
         comm1.allreduce(x, inplace=True)
@@ -104,7 +104,7 @@ def test_inplace_refuses_read_only_arrays(comm1):
                                   "allgatherv", "gatherv", "reduce_scatter", "alltoall",
                                   "gather", "scatter"])
 def test_out_overlapping_input_is_refused(comm1, call):
-    from collectives import OverlapError
+    from dtrun.collectives import OverlapError
     buf = np.arange(8, dtype=np.float32)
     x, out = buf[:4], buf[2:6]
     with pytest.raises(OverlapError, match="out overlaps x"):
@@ -115,7 +115,7 @@ def test_out_overlapping_input_is_refused(comm1, call):
 def test_out_overlap_refused_by_the_compiled_entry():
     """The compiled engine's allreduce (2 ranks, shm1) hands an overlapping out to Python."""
     code = ("import numpy as np, collectives\n"
-            "from collectives import shm1\n"
+            "from dtrun.collectives import shm1\n"
             "c = collectives.Comm(path='shm1') if shm1.available() else collectives.init()\n"
             "buf = np.arange(8, dtype=np.float32)\n"
             "try:\n    c.allreduce(buf[:4], out=buf[2:6]); print('RESULT returned', buf.tolist())\n"
@@ -128,7 +128,7 @@ def test_out_overlap_refused_by_the_compiled_entry():
 
 
 def test_signature_words_describe_what_each_rank_called():
-    from collectives import signature as sig
+    from dtrun.collectives import signature as sig
     a = (sig.meta("allreduce", "float32", "sum", "shm1"), 10, 0)
     b = (sig.meta("broadcast", "int64", None, None, 3), 7, 0)
     text = sig.explain([a, b, a])
@@ -146,7 +146,7 @@ def test_signature_words_describe_what_each_rank_called():
 def test_dtrun_check_selects_the_checks(monkeypatch, value, signatures, full):
     """Unset: the signature check only; DTRUN_CHECK=0: none (the benchmark's "without");
     DTRUN_CHECK=1: the full exchange as well."""
-    from collectives import comm as comm_mod
+    from dtrun.collectives import comm as comm_mod
     if value is None:
         monkeypatch.delenv("DTRUN_CHECK", raising=False)
     else:

@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from launcher.job import parsers
-from launcher.job.result import JobResult, RankFailure
-from launcher.job.summary import failure_summary
+from dtrun.launcher.job import parsers
+from dtrun.launcher.job.result import JobResult, RankFailure
+from dtrun.launcher.job.summary import failure_summary
 from tests import nscluster
 from tests.dtrun_helpers import DTRUN, PYTHON, REPO, user_env
 
@@ -77,7 +77,7 @@ def test_the_summary_carries_no_control_byte_of_a_name():
 
 FAKE_MPIRUN = textwrap.dedent('''\
     import os, sys, time
-    from launcher.remote import wire
+    from dtrun.launcher.remote import wire
     token = os.environ[wire.MARKER_TOKEN_ENV]
     out, err = sys.stdout.buffer, sys.stderr.buffer
     def say(stream, data):
@@ -92,8 +92,8 @@ FAKE_MPIRUN = textwrap.dedent('''\
 ''')
 RUNNER = textwrap.dedent('''\
     import sys
-    from launcher.job.summary import failure_summary
-    from launcher.job.supervisor import run_job
+    from dtrun.launcher.job.summary import failure_summary
+    from dtrun.launcher.job.supervisor import run_job
     result = run_job([sys.executable, sys.argv[1]], expected=("h1", "h2", "h3"))
     if result.returncode != 0 or result.notes:
         print(failure_summary(result), file=sys.stderr)  # as launcher/launch.py does
@@ -204,7 +204,7 @@ def test_lost_host_output_has_no_control_bytes_and_the_warning_names_only_cut_ra
 
 KILLED_MPIRUN = textwrap.dedent('''\
     import os, sys, time
-    from launcher.remote import wire
+    from dtrun.launcher.remote import wire
     token = os.environ[wire.MARKER_TOKEN_ENV]
     err = sys.stderr.buffer
     for r in range(2):

@@ -1,10 +1,10 @@
-"""launcher.paths: the cache directory and the one atomic writer every cache uses."""
+"""dtrun.launcher.paths: the cache directory and the one atomic writer every cache uses."""
 from __future__ import annotations
 
 import os
 import stat
 
-from launcher.paths import atomic_write, cache_dir
+from dtrun.launcher.paths import atomic_write, cache_dir
 
 
 def test_cache_dir_follows_xdg(monkeypatch, tmp_path):

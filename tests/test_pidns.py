@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.remote import sessiondirs
+from dtrun.launcher.remote import sessiondirs
 from tests.dtrun_helpers import DTRUN, PYTHON, REPO, user_env
 from tests.test_sessiondirs import dead_pid, make_stale, needs_ompi5
 
@@ -156,7 +156,7 @@ def _wait_for(cond, what):
 
 
 def _sweep_argv(top):
-    return [PYTHON, "-c", "import sys; sys.path.insert(0, sys.argv[1]); from launcher.remote import sessiondirs; "
+    return [PYTHON, "-c", "import sys; sys.path.insert(0, sys.argv[1]); from dtrun.launcher.remote import sessiondirs; "
                           "print(len(sessiondirs.sweep({'TMPDIR': sys.argv[2]})))", str(REPO), str(top)]
 
 

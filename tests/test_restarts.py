@@ -5,9 +5,9 @@ import signal
 
 import pytest
 
-from launcher.errors import ExitCode
-from launcher.hostfile import HostSlots
-from launcher.restarts import (
+from dtrun.launcher.errors import ExitCode
+from dtrun.launcher.hostfile import HostSlots
+from dtrun.launcher.restarts import (
     Failure,
     HostPlan,
     NotEnoughSlots,
@@ -18,7 +18,7 @@ from launcher.restarts import (
     plan_hosts,
     same_failure_twice,
 )
-from launcher.job.result import JobResult, RankFailure
+from dtrun.launcher.job.result import JobResult, RankFailure
 from tests.dtrun_helpers import PYTHON, REPO, dtrun, one_line_error
 
 
@@ -155,7 +155,7 @@ def test_on_hang_restart_is_accepted_and_restart_count_reaches_ranks():
 
 def test_checkpoint_helpers_on_one_rank(tmp_path):
     torch = pytest.importorskip("torch", reason="PyTorch is not installed (collectives.dp needs it)")
-    import collectives.dp as dp
+    import dtrun.collectives.dp as dp
 
     dp.init()
     path = tmp_path / "ckpt.pt"
@@ -239,7 +239,7 @@ def test_restart_rules_misused_are_one_line_errors(args, needles):
 def test_a_rank_open_mpi_reports_killed_is_not_called_an_abort():
     """Open MPI's "process rank 1 with PID … on node h2 exited on signal 9" is a kill, not an
     MPI_Abort: the summary must not say "rank 1 aborted the job"."""
-    from launcher.job.parsers import fallback_failure
+    from dtrun.launcher.job.parsers import fallback_failure
 
     killed = fallback_failure("prterun noticed that process rank 1 with PID 4242 on node h2 exited on "
                               "signal 9 (Killed).\n")

@@ -70,7 +70,7 @@ def _report(proc: subprocess.Popen) -> dict:
 
 def _exact_on_the_ring(p, n: int) -> list[dict]:
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "collectives.dp:" not in p.stdout + p.stderr, p.stderr[-3000:]  # no fallback
+    assert "dtrun.collectives.dp:" not in p.stdout + p.stderr, p.stderr[-3000:]  # no fallback
     res = _results(p)
     assert [r["rank"] for r in res] == list(range(n)), p.stdout[-3000:]
     assert all(r["transport"] == "ring" and r["bad"] == [] for r in res), res
@@ -126,9 +126,9 @@ def test_a_rank_that_never_reaches_its_leader_is_the_one_named(cluster3):
     h1, h2 = cluster3.hosts[:2]
     p = _run(cluster3, f"{h1.name}:2,{h2.name}:1", "late")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    said = [ln for ln in (p.stdout + p.stderr).splitlines() if "collectives.dp:" in ln]
+    said = [ln for ln in (p.stdout + p.stderr).splitlines() if "dtrun.collectives.dp:" in ln]
     assert len(said) == 1, said
-    assert said[0].endswith("collectives.dp: rank 1 did not connect to its host's leader, "
+    assert said[0].endswith("dtrun.collectives.dp: rank 1 did not connect to its host's leader, "
                             "rank 0, within 10 s; gradients go through MPI between hosts "
                             "instead"), said
     res = _results(p)
@@ -149,7 +149,7 @@ def test_a_ring_that_cannot_connect_falls_back_with_several_ranks_per_host(clust
     finally:
         cluster3.exec(h2, ["iptables", "-D", *rule], check=True)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    said = [ln for ln in (p.stdout + p.stderr).splitlines() if "collectives.dp:" in ln]
+    said = [ln for ln in (p.stdout + p.stderr).splitlines() if "dtrun.collectives.dp:" in ln]
     assert len(said) == 1 and "rank 0 could not join the ring between hosts" in said[0], said
     res = _results(p)
     assert [(r["transport"], r["bad"]) for r in res] == [("runtime", [])] * 3, res
@@ -205,7 +205,7 @@ def test_another_user_with_the_token_still_cannot_take_a_ranks_place():
     import socket
     import threading
 
-    from collectives import dp_exchange
+    from dtrun.collectives import dp_exchange
 
     uid = _stranger_uid()
     host, box = _Host(), {}

@@ -3,10 +3,10 @@ import os
 
 import pytest
 
-from launcher import safe, sshconf
-from launcher.errors import HostfileError, InvalidValue, UsageError
-from launcher.hostfile import HostSlots, parse_cluster_yaml, parse_host_list, parse_hostfile, slurm_hosts
-from launcher.hosts import HostSelection
+from dtrun.launcher import safe, sshconf
+from dtrun.launcher.errors import HostfileError, InvalidValue, UsageError
+from dtrun.launcher.hostfile import HostSlots, parse_cluster_yaml, parse_host_list, parse_hostfile, slurm_hosts
+from dtrun.launcher.hosts import HostSelection
 
 # Values an attacker or a typo puts into a field; none may pass any grammar.
 HOSTILE = [
@@ -231,7 +231,7 @@ def test_yaml_duplicate_keys_and_deep_nesting():
 
 
 def test_slurm_hostlist_size_counts_without_expanding():
-    from launcher.hostfile import hostlist_size
+    from dtrun.launcher.hostfile import hostlist_size
     assert hostlist_size("n[01-04,07]") == 5
     assert hostlist_size("a[1-2]b[1-3],c") == 7
     assert hostlist_size("n[1-100000]") == 100000

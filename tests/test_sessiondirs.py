@@ -16,8 +16,8 @@ import threading
 
 import pytest
 
-from launcher.remote import agent as remote_agent, sessiondirs
-from launcher.remote.procfs import proc_start
+from dtrun.launcher.remote import agent as remote_agent, sessiondirs
+from dtrun.launcher.remote.procfs import proc_start
 from tests.dtrun_helpers import BIN, DTRUN, PYTHON, REPO, user_env
 
 MPIRUN = str(BIN / "mpirun")
@@ -226,7 +226,7 @@ def test_a_remote_daemon_refused_for_a_stale_dir_gets_the_note(cluster3, tmp_pat
 
 def test_the_probe_reports_its_hosts_stale_session_dirs(tmp_path):
     """The doctor's probe, started as on any host (the same program, stdin and JSON), finds them."""
-    from checks import probe
+    from dtrun.checks import probe
 
     stale = make_stale(tmp_path, "prted", dead_pid())
     make_stale(tmp_path, "ompi", os.getpid())

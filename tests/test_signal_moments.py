@@ -61,7 +61,7 @@ def _mpirun_starts(proc, token: str, nth: int, timeout: float = 60.0) -> bool:
 
 
 def _job_records(pid: int) -> list:
-    from launcher.jobstate import jobs_dir
+    from dtrun.launcher.jobstate import jobs_dir
 
     d = jobs_dir()
     return [p.name for p in d.iterdir() if f"-{pid}" in p.name] if d.is_dir() else []

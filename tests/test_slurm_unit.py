@@ -5,13 +5,13 @@ import threading
 
 import pytest
 
-from launcher import allocwatch, slurm
-from launcher.errors import UsageError
-from launcher.flavors import MPICH, OPENMPI, Flavor
-from launcher.hosts import resolve_hosts
-from launcher.launch import LaunchOptions, make_spec
-from launcher.remote.rankexec import rank_env
-from launcher.job.result import JobResult, RankFailure
+from dtrun.launcher import allocwatch, slurm
+from dtrun.launcher.errors import UsageError
+from dtrun.launcher.flavors import MPICH, OPENMPI, Flavor
+from dtrun.launcher.hosts import resolve_hosts
+from dtrun.launcher.launch import LaunchOptions, make_spec
+from dtrun.launcher.remote.rankexec import rank_env
+from dtrun.launcher.job.result import JobResult, RankFailure
 
 OMPI5 = Flavor(OPENMPI, (5, 0, 11), "/venv/bin/mpirun", "/venv")
 OMPI4 = Flavor(OPENMPI, (4, 1, 4), "/usr/bin/mpirun.openmpi", "/usr")

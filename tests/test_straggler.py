@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from launcher.remote import waitsampler
-from launcher.jobstate import JobInfo
-from launcher.straggler import RankTotals, find_straggler, render_finding
+from dtrun.launcher.remote import waitsampler
+from dtrun.launcher.jobstate import JobInfo
+from dtrun.launcher.straggler import RankTotals, find_straggler, render_finding
 from tests.dtrun_helpers import DTRUN, PYTHON, REPO, user_env
 from tests.test_hang import Job, host_list, line_of
 
@@ -182,7 +182,7 @@ SLOW_S, FAST_S = 0.3, 0.05
 
 RUNTIME_JOB = """import time
 import numpy as np
-import collectives
+from dtrun import collectives
 c = collectives.init()
 rank = c.rank
 x = np.ones(8, np.float32)
@@ -305,7 +305,7 @@ def test_live_table_flags_the_slow_rank_once_it_lasts(cluster3, tmp_path):
 
 
 def test_live_finding_is_shown_once_the_same_ranks_are_named_four_refreshes_in_a_row():
-    from launcher.straggler import Confirmed, Finding
+    from dtrun.launcher.straggler import Confirmed, Finding
 
     def f(*ranks):
         return Finding(ranks, ("h",), False, 0.5, 0.0)
@@ -410,7 +410,7 @@ def test_top_names_a_namespace_host_that_stops_answering_and_does_not_wait_for_i
 
 FLAG_JOB = """import sys, time
 import numpy as np
-import collectives
+from dtrun import collectives
 c = collectives.init()
 x = np.ones(2, np.float32)  # 8 bytes: the compiled engine's path where it is built
 c.allreduce(x)
@@ -428,8 +428,8 @@ print("done", c.rank, flush=True)
 def test_recorder_flag_is_set_while_the_rank_waits_in_a_collective(tmp_path, compiled):
     """Rank 1 sleeps while rank 0 is in an allreduce: the agent's reads of the flight
     recorder find rank 0 inside and rank 1 not (the compiled engine's store, and Python's)."""
-    from launcher.remote import rankstate, wire
-    from collectives import recorder
+    from dtrun.launcher.remote import rankstate, wire
+    from dtrun.collectives import recorder
 
     assert wire.REC_VERSION == recorder.VERSION and wire.REC_INSIDE_WORD == recorder.INSIDE_WORD
     script = tmp_path / "flag.py"
@@ -468,8 +468,8 @@ def test_recorder_flag_is_set_while_the_rank_waits_in_a_collective(tmp_path, com
 
 
 def test_top_table_groups_ranks_per_host_beyond_16_and_flags_the_straggler():
-    from launcher.straggler import HostSample, RankView, Recent
-    from launcher.top import render, view
+    from dtrun.launcher.straggler import HostSample, RankView, Recent
+    from dtrun.launcher.top import render, view
 
     job = JobInfo("j1", "/nonexistent", ("a", "b", "c"), 18, 4242)
     recent, latest = Recent(), {}
@@ -497,7 +497,7 @@ def test_top_table_groups_ranks_per_host_beyond_16_and_flags_the_straggler():
 def test_start_up_skew_is_not_counted():
     """Ranks that start late make the others wait in their first collective: windows until
     every host is past its start-up are dropped; a later import drops nothing."""
-    from launcher.straggler import HostSample, RankView, SteadyState
+    from dtrun.launcher.straggler import HostSample, RankView, SteadyState
 
     def sample(host, at, startup=0):
         return HostSample(host, host, [RankView(0, host, samples=20, waiting=10, startup=startup)], at=at, window=1.0)

@@ -1,4 +1,4 @@
-"""collectives.streamring (the TCP ring that carries data-parallel buckets between hosts):
+"""dtrun.collectives.streamring (the TCP ring that carries data-parallel buckets between hosts):
 exact results on real ranks, mismatches and closed connections as errors on every rank
 (never a wrong sum, never a hang), and who may join the ring. tests/ring_cases.py is the
 rank program; the data-parallel layer over namespace hosts is in tests/test_dp.py."""
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from collectives import streamring
+from dtrun.collectives import streamring
 from tests.dtrun_helpers import REPO, dtrun
 
 PYTHON = sys.executable

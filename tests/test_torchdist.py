@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from launcher.remote import rankexec
-from launcher.errors import UsageError
-from launcher.hostfile import HostSlots
-from launcher.rendezvous import REMOTE_PORT_RANGE, choose, master_addr, remote_port
+from dtrun.launcher.remote import rankexec
+from dtrun.launcher.errors import UsageError
+from dtrun.launcher.hostfile import HostSlots
+from dtrun.launcher.rendezvous import REMOTE_PORT_RANGE, choose, master_addr, remote_port
 from tests.dtrun_helpers import PYTHON, REPO, dtrun
 
 SCRIPT = str(REPO / "tests" / "torchdist_env.py")

@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("mpi4py")
 
-from collectives import tuning  # noqa: E402
-from collectives._mpi import MPI  # noqa: E402
+from dtrun.collectives import tuning  # noqa: E402
+from dtrun.collectives._mpi import MPI  # noqa: E402
 
 
 def spin(seconds: float) -> None:

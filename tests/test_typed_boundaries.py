@@ -1,11 +1,11 @@
 """Typed boundaries: the probe report parsed at the edge of checks/, --traceback read up front."""
 import pytest
 
-from checks import env
-from checks.probereport import ProbeReportError, parse_probe_report
-from checks.result import FAIL
-from launcher import cli
-from launcher.errors import UsageError
+from dtrun.checks import env
+from dtrun.checks.probereport import ProbeReportError, parse_probe_report
+from dtrun.checks.result import FAIL
+from dtrun.launcher import cli
+from dtrun.launcher.errors import UsageError
 from tests.test_checks_env import LOCAL, healthy
 
 

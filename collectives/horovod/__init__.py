@@ -2,9 +2,9 @@
 
 A Horovod script changes one import and nothing else::
 
-    import collectives.horovod.torch as hvd          # was: import horovod.torch as hvd
-    import collectives.horovod.tensorflow as hvd     # was: import horovod.tensorflow as hvd
-    import collectives.horovod.keras as hvd          # was: import horovod.tensorflow.keras as hvd
+    import dtrun.collectives.horovod.torch as hvd          # was: import horovod.torch as hvd
+    import dtrun.collectives.horovod.tensorflow as hvd     # was: import horovod.tensorflow as hvd
+    import dtrun.collectives.horovod.keras as hvd          # was: import horovod.tensorflow.keras as hvd
 
 Each of those modules imports only its own framework (TensorFlow users never import
 torch, and the reverse). Nothing is compiled against a framework: the collectives are

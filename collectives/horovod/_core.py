@@ -69,7 +69,7 @@ class HorovodUnsupportedError(CollectiveError, NotImplementedError, AttributeErr
 
 
 _ELASTIC = ("use `dtrun --max-restarts N` to restart the job after a failure, with "
-            "collectives.dp.save_checkpoint/load_checkpoint to resume from the last checkpoint")
+            "dtrun.collectives.dp.save_checkpoint/load_checkpoint to resume from the last checkpoint")
 _PROCESS_SETS = ("collectives run over all ranks; for a subset build a sub-communicator "
                  "with collectives.init().split(color)")
 UNSUPPORTED: dict[str, str] = {

@@ -14,7 +14,7 @@ import subprocess
 import time
 from typing import Iterable, Sequence
 
-from launcher.remote.procfs import stat_fields
+from dtrun.launcher.remote.procfs import stat_fields
 
 
 def send_signal(proc, signum: int) -> None:
@@ -69,7 +69,7 @@ def kill_leftovers(job, nspace: str = "", budget: float = 5.0) -> None:
 def tidy_remote_hosts(job, budget: float = 3.0) -> None:
     """On every other host at once, remove what the job's ended ranks left in the job
     directory there (the agent's ``tidy``); dtrun removes its own host's directory."""
-    from launcher.hosts import is_local
+    from dtrun.launcher.hosts import is_local
 
     hosts = [h for h in dict.fromkeys(job.hosts) if not is_local(h)]
     if hosts:
@@ -78,7 +78,7 @@ def tidy_remote_hosts(job, budget: float = 3.0) -> None:
 
 def run_host_agents(job, mode: str, hosts: Iterable[str], budget: float, extra: Sequence[str] = ()) -> None:
     """Run the agent's ``mode`` on ``hosts`` in parallel and wait at most ``budget`` seconds."""
-    from launcher.stacks import agent_argv
+    from dtrun.launcher.stacks import agent_argv
 
     deadline = time.monotonic() + budget
     procs = []

@@ -12,8 +12,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Optional
 
-from launcher.job.result import RankFailure
-from launcher.remote import wire
+from dtrun.launcher.job.result import RankFailure
+from dtrun.launcher.remote import wire
 
 # A launcher's rank tag before a line: Open MPI's "[1,0]<stdout>: ", Hydra's "[0] ".
 _TAG_MAX = 128

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from launcher.job.result import RankFailure
+from dtrun.launcher.job.result import RankFailure
 
 # Open MPI's own report when no marker was seen (e.g. the program is not wrapped).
 _OMPI_RANK_RE = re.compile(r"Process name:\s+\[[^\]]*?,(\d+)\]")

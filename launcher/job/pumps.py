@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from launcher.job import parsers
-from launcher.job.markers import parse_marker, parse_start_marker, split_eof_markers
-from launcher.job.result import RankFailure
+from dtrun.launcher.job import parsers
+from dtrun.launcher.job.markers import parse_marker, parse_start_marker, split_eof_markers
+from dtrun.launcher.job.result import RankFailure
 
 # Buffered stdout beyond which reading from mpirun pauses (and output may be dropped by it).
 STDOUT_BUFFER_MAX = 256 << 20

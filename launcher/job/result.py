@@ -11,7 +11,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from launcher.errors import ExitCode, signal_exit_code, signal_name
+from dtrun.launcher.errors import ExitCode, signal_exit_code, signal_name
 
 # Signals mpirun sends to the other ranks while it tears a failed job down (for markers
 # from wrappers that do not say whether they forwarded the signal).

@@ -8,9 +8,9 @@ import os
 import signal
 from typing import Optional, Sequence
 
-from launcher.errors import ExitCode, signal_name
-from launcher.job import parsers
-from launcher.job.result import STOP_GRACE_S, JobResult, RankFailure, root_cause
+from dtrun.launcher.errors import ExitCode, signal_name
+from dtrun.launcher.job import parsers
+from dtrun.launcher.job.result import STOP_GRACE_S, JobResult, RankFailure, root_cause
 
 # Ranks named one by one in a note before "and N more".
 _NAMED_MAX = 8

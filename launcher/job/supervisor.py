@@ -25,17 +25,17 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from launcher.errors import ExitCode, LaunchError, signal_name
-from launcher.job import parsers, summary
-from launcher.job.kill import kill_session, send_signal
-from launcher.job.markers import new_marker_token
-from launcher.job.observer import JobObserver
-from launcher.job.pumps import STDOUT_BUFFER_MAX, OutputPumps, PumpHooks
-from launcher.job import stopsignals
-from launcher.job.stopsignals import STOP_SIGNALS
-from launcher.job.result import (SIGPIPE_EXIT, STOP_GRACE_S, JobResult, RankFailure, StopReason, StopState,
+from dtrun.launcher.errors import ExitCode, LaunchError, signal_name
+from dtrun.launcher.job import parsers, summary
+from dtrun.launcher.job.kill import kill_session, send_signal
+from dtrun.launcher.job.markers import new_marker_token
+from dtrun.launcher.job.observer import JobObserver
+from dtrun.launcher.job.pumps import STDOUT_BUFFER_MAX, OutputPumps, PumpHooks
+from dtrun.launcher.job import stopsignals
+from dtrun.launcher.job.stopsignals import STOP_SIGNALS
+from dtrun.launcher.job.result import (SIGPIPE_EXIT, STOP_GRACE_S, JobResult, RankFailure, StopReason, StopState,
                                  exit_code_for, launcher_name, order_failures, root_cause)
-from launcher.remote.wire import MARKER_TOKEN_ENV
+from dtrun.launcher.remote.wire import MARKER_TOKEN_ENV
 
 __all__ = ["FAILURE_GRACE_S", "STOP_GRACE_S", "STOP_SIGNALS", "JobObserver", "JobSupervisor", "Limits",
            "StopReason", "StopState", "output_cut_short", "run_job"]

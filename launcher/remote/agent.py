@@ -33,9 +33,12 @@ Its flight recorder is read only from a regular file of the recorder's size, wit
 """
 import sys
 
-if __name__ == "__main__" and "launcher.remote" not in sys.modules:  # started as a script
-    import os
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # started as a script, or shipped as one program (bundle)
+    if "launcher.remote" not in sys.modules:
+        import os
+        sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import launcher.remote  # noqa: F401 (the package of its siblings, in this process only)
+    __package__ = "launcher.remote"  # PEP 366: the relative imports below find the siblings
 
 import json
 import os
@@ -44,9 +47,9 @@ import socket
 import threading
 import time
 
-from launcher.remote import procfs, rankstate, wire
-from launcher.remote.procfs import proc_info
-from launcher.remote.pystacks import faulthandler_stacks, gdb_stacks, pyspy_stacks, source_line
+from . import procfs, rankstate, wire
+from .procfs import proc_info
+from .pystacks import faulthandler_stacks, gdb_stacks, pyspy_stacks, source_line
 
 REC_SHOWN = 8  # newest recorder entries put in a report
 
@@ -261,7 +264,7 @@ def kill(job_dir, nspace=""):
 def _sweep_after(daemons, wait_s=0.5):
     """Remove the session directories that the killed MPI daemons left (launcher/remote/sessiondirs.py),
     once they are gone (a killed process counts as alive until its parent reaps it)."""
-    from launcher.remote import sessiondirs
+    from . import sessiondirs
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and any(sessiondirs.alive(p) for p in daemons):
         time.sleep(0.02)
@@ -275,7 +278,7 @@ def main(argv):
     mode, job_dir = argv[0], argv[1]
     seconds = float(argv[2]) if len(argv) > 2 else (2.0 if mode == "dump" else 1.0)
     if mode == "sample":
-        from launcher.remote import waitsampler
+        from . import waitsampler
         rate = float(argv[3]) if len(argv) > 3 else 10.0
         via = argv[4] if len(argv) > 4 else "auto"  # "faulthandler" (no py-spy), "proc" (no stacks)
         return waitsampler.run(job_dir, seconds, rate, via, once="once" in argv[5:])

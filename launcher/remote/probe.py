@@ -19,9 +19,12 @@ Protocol, one JSON object per line:
 """
 import sys
 
-if __name__ == "__main__" and "launcher.remote" not in sys.modules:  # started as a script
-    import os
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # started as a script, or shipped as one program (bundle)
+    if "launcher.remote" not in sys.modules:
+        import os
+        sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import launcher.remote  # noqa: F401 (the package of its siblings, in this process only)
+    __package__ = "launcher.remote"  # PEP 366: the relative imports below find the siblings
 
 import json
 import os
@@ -31,7 +34,7 @@ import subprocess
 import threading
 import time
 
-from launcher.remote import sessiondirs
+from . import sessiondirs
 
 PROBE_VERSION = 1
 # Programs whose resolution on PATH the env check reports.

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from launcher.remote.procfs import signal_disposition
+from .procfs import signal_disposition
 
 _FH_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
 _FH_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')

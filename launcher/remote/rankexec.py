@@ -37,9 +37,12 @@ wrapper stops the program when its own parent (the MPI daemon) dies.
 """
 import sys
 
-if __name__ == "__main__" and "launcher.remote" not in sys.modules:  # started as a script
-    import os
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # started as a script, or shipped as one program (bundle)
+    if "launcher.remote" not in sys.modules:
+        import os
+        sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import launcher.remote  # noqa: F401 (the package of its siblings, in this process only)
+    __package__ = "launcher.remote"  # PEP 366: the relative imports below find the siblings
 
 import errno
 import os
@@ -50,8 +53,8 @@ import subprocess
 import threading
 import time
 
-from launcher.remote import wire
-from launcher.remote.wire import MARKER_TOKEN_ENV, job_token
+from . import wire
+from .wire import MARKER_TOKEN_ENV, job_token
 MARKER_LINGER_S = 0.3
 OUTPUT_DRAIN_BPS = 20e6  # bytes a second assumed to leave through the launcher at the end
 OUTPUT_LINGER_MAX_S = 3.0
@@ -114,7 +117,7 @@ def open_log(log_dir, rank):
 
 def _sweep_sessions():
     try:
-        from launcher.remote import sessiondirs
+        from . import sessiondirs
         sessiondirs.keep_daemon_dir(os.getppid())  # lock the daemon's own directory while it lives
         sessiondirs.sweep()
     except Exception:  # tidying must never disturb the rank
@@ -382,7 +385,7 @@ def main(argv=None):
     # Hang diagnosis (launcher/remote/rankstate.py): state file + faulthandler armed in the program.
     job_dir = env.get("DTRUN_JOB_DIR")
     if job_dir:
-        from launcher.remote import rankstate
+        from . import rankstate
         if rankstate.prepare(job_dir):
             prog = rankstate.with_stack_dump(prog, job_dir, rank, env)
         else:

@@ -36,8 +36,8 @@ import signal
 import socket
 import stat
 
-from launcher.remote import wire
-from launcher.remote.procfs import gone, proc_parent, proc_start, valid_pid
+from . import wire
+from .procfs import gone, proc_parent, proc_start, valid_pid
 
 # Offset from SIGRTMIN of the signal that makes a rank dump its stacks (SIGRTMIN+6).
 DUMP_SIGNAL_OFFSET = 6

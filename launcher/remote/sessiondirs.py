@@ -38,9 +38,12 @@ before the next job there; ``dtrun doctor`` lists what is left on each host
 """
 import sys
 
-if __name__ == "__main__" and "launcher.remote" not in sys.modules:  # started as a script
-    import os
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # started as a script, or shipped as one program (bundle)
+    if "launcher.remote" not in sys.modules:
+        import os
+        sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import launcher.remote  # noqa: F401 (the package of its siblings, in this process only)
+    __package__ = "launcher.remote"  # PEP 366: the relative imports below find the siblings
 
 import os
 import re
@@ -49,7 +52,7 @@ import stat
 import threading
 import time
 
-from launcher.remote.procfs import proc_start
+from .procfs import proc_start
 
 try:
     import fcntl

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 
-from launcher.remote import procfs, pystacks, rankstate, wire
+from . import procfs, pystacks, rankstate, wire
 
 # Parts of a path that make a frame a communication call: the caller is waiting for peers.
 WAIT_PATHS = ("/torch/distributed/", "/mpi4py/", "/horovod/", "/nccl", "/cupy/cuda/nccl", "/deepspeed/comm/")

@@ -1,5 +1,5 @@
 """``horovod.tensorflow.keras`` on dtrun's runtime, for Keras 3 with the TensorFlow backend:
-``import collectives.horovod.keras as hvd``.
+``import dtrun.collectives.horovod.keras as hvd``.
 
 ``DistributedOptimizer`` wraps a Keras optimizer so that ``apply`` (what ``model.fit`` and
 ``apply_gradients`` call) averages the gradients over ranks first, in one grouped
@@ -51,4 +51,4 @@ def __getattr__(name: str):
         return SyncBatchNormalization
     if name in _core.UNSUPPORTED:
         raise _core.unsupported(name)
-    raise AttributeError(f"module 'collectives.horovod.keras' has no attribute {name!r}")
+    raise AttributeError(f"module 'dtrun.collectives.horovod.keras' has no attribute {name!r}")

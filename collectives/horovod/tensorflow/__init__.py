@@ -1,4 +1,4 @@
-"""``horovod.tensorflow`` on dtrun's runtime: ``import collectives.horovod.tensorflow as hvd``.
+"""``horovod.tensorflow`` on dtrun's runtime: ``import dtrun.collectives.horovod.tensorflow as hvd``.
 
 TensorFlow 2, eager and inside ``tf.function``: the collectives take ``tf.Tensor`` and
 ``tf.Variable``, run on ``collectives.Comm`` (matched by name across ranks, see
@@ -408,4 +408,4 @@ def __getattr__(name: str):
         return value
     if name in _core.UNSUPPORTED:
         raise _core.unsupported(name)
-    raise AttributeError(f"module 'collectives.horovod.tensorflow' has no attribute {name!r}")
+    raise AttributeError(f"module 'dtrun.collectives.horovod.tensorflow' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""``horovod.torch`` on dtrun's runtime: ``import collectives.horovod.torch as hvd``.
+"""``horovod.torch`` on dtrun's runtime: ``import dtrun.collectives.horovod.torch as hvd``.
 
 Collectives run on ``collectives.Comm`` (matched by name across ranks, see
 ``collectives/horovod/_core.py``); ``DistributedOptimizer``, ``broadcast_parameters`` and
@@ -40,7 +40,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     ``collectives.Comm`` may be passed as ``comm``.
     """
     _core.check_init_args(comm, process_sets)
-    import collectives.dp as dp
+    import dtrun.collectives.dp as dp
     from ..._mpi import MPI
     ctx = dp.init(comm)
     # The hvd collectives run on their own duplicate of the world, so that an
@@ -64,7 +64,7 @@ def cuda_built() -> bool: return _core.flag("cuda_built") and torch.cuda.is_avai
 def __getattr__(name: str):
     if name in _core.UNSUPPORTED:
         raise _core.unsupported(name)
-    raise AttributeError(f"module 'collectives.horovod.torch' has no attribute {name!r}")
+    raise AttributeError(f"module 'dtrun.collectives.horovod.torch' has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -427,7 +427,7 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     """Overwrite every rank's ``params`` with root's, in place: ``model.state_dict()``,
     ``model.named_parameters()``, ``model.parameters()`` or a list/dict of tensors.
     Names and shapes must match on every rank (checked, naming the rank)."""
-    import collectives.dp as dp
+    import dtrun.collectives.dp as dp
     _job("broadcast_parameters")
     if isinstance(params, dict):
         params = sorted(params.items())  # Horovod matches a dict by its sorted names
@@ -437,7 +437,7 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               model: Any = None) -> None:
     """Give every rank root's optimizer state (moments, step counts, learning rates)."""
-    import collectives.dp as dp
+    import dtrun.collectives.dp as dp
     _job("broadcast_optimizer_state")
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")  # as Horovod
@@ -460,7 +460,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     bucket size, as it sets Horovod's fusion buffer. Sparse gradients are reduced dense, whatever
     ``sparse_as_dense`` says (the values are the same; ``.grad`` comes back dense).
     """
-    import collectives.dp as dp
+    import dtrun.collectives.dp as dp
     _job("DistributedOptimizer")
     _core.check_process_set(process_set, "DistributedOptimizer")
     op = _core.check_op(op, "DistributedOptimizer", (Average, Sum))

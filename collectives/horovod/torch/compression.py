@@ -24,8 +24,8 @@ class Compression:
 
     @staticmethod
     def to_dp(compression) -> str:
-        """collectives.dp's name for a Horovod compressor."""
-        import collectives.dp as dp
+        """dtrun.collectives.dp's name for a Horovod compressor."""
+        import dtrun.collectives.dp as dp
         if compression in (NoneCompressor, None) or isinstance(compression, NoneCompressor):
             return dp.Compression.none
         if compression is FP16Compressor or isinstance(compression, FP16Compressor):

@@ -1,0 +1,3 @@
+from dtrun.launcher.entry import main
+
+main()
