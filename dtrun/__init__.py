@@ -9,10 +9,18 @@ Everything dtrun installs lives under this one name:
 
 In the source tree these subpackages are the folders ``launcher/``, ``checks/`` and
 ``collectives/`` at the top of the repository; pyproject.toml maps them here.
-"""
-from importlib import metadata as _metadata
 
-try:
-    __version__ = _metadata.version("dtrun")
-except _metadata.PackageNotFoundError:  # a source tree that was never installed
-    __version__ = "0+unknown"
+This file imports nothing: the ``dtrun`` command imports it before it can catch a signal
+(launcher/entry.py), so it must take no time.
+"""
+
+
+def __getattr__(name: str):
+    if name == "__version__":  # read from the installed metadata on first use
+        from importlib import metadata
+
+        try:
+            return metadata.version("dtrun")
+        except metadata.PackageNotFoundError:  # a source tree that was never installed
+            return "0+unknown"
+    raise AttributeError(f"module 'dtrun' has no attribute {name!r}")

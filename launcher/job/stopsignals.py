@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from typing import Callable, Iterator, Optional
+# (no typing import: annotations stay strings, and this module must load in no time)
 
 __all__ = ["STOP_SIGNALS", "Stopped", "attach", "attached", "detach", "exit_code", "held", "install", "installed", "stopped"]
 
