@@ -209,12 +209,6 @@ def repeated_failure(earlier: Mapping[tuple, int], current: Failure, hosts_healt
     return earlier.get(current.key) if hosts_healthy else None
 
 
-def same_failure_twice(previous: Optional[Failure], current: Failure, hosts_healthy: bool) -> bool:
-    """The no-blind-loop rule: the same failure twice in a row, every host passing the check
-    both times (``previous`` is None after an attempt on which a host failed it)."""
-    return hosts_healthy and previous is not None and previous.key == current.key
-
-
 def _ranks_on(rank_hosts: Sequence[str], host: str) -> list[int]:
     return [r for r, h in enumerate(rank_hosts) if h == host]
 

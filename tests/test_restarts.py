@@ -16,7 +16,7 @@ from dtrun.launcher.restarts import (
     last_exception,
     lost_host_lines,
     plan_hosts,
-    same_failure_twice,
+    repeated_failure,
 )
 from dtrun.launcher.job.result import JobResult, RankFailure
 from tests.dtrun_helpers import PYTHON, REPO, dtrun, one_line_error
@@ -73,6 +73,12 @@ def test_failure_names_the_root_cause_and_its_exception():
     f = failure_of(r, ("/x/train.py:12", "KeyError"))
     assert f.what == "rank 0 on h1 exited with code 1 (KeyError at /x/train.py:12)"
     assert f.hosts == ("h1",) and f.restartable
+
+
+def same_failure_twice(previous, current, hosts_healthy):
+    """The rule for two attempts in a row (``previous`` None: the one before ended on a bad host)."""
+    earlier = {} if previous is None else {previous.key: 0}
+    return repeated_failure(earlier, current, hosts_healthy) is not None
 
 
 def test_same_exception_on_another_rank_is_the_same_failure():

@@ -16,9 +16,6 @@ on the moment it arrives:
 * **while a supervisor follows a job** (``attach``): the supervisor's handler stops the job
   (and escalates on the next signal); a handler that returns True consumed the signal
   (SIGQUIT with the rank wrapper is the stack dump, not a stop).
-
-``stopped()`` says which stop signal, if any, reached dtrun during the run: the restart loop
-starts no further attempt after one.
 """
 from __future__ import annotations
 
@@ -26,7 +23,8 @@ import contextlib
 import signal
 # (no typing import: annotations stay strings, and this module must load in no time)
 
-__all__ = ["STOP_SIGNALS", "Stopped", "attach", "attached", "detach", "exit_code", "held", "install", "installed", "stopped"]
+__all__ = ["STOP_SIGNALS", "Stopped", "attach", "attached", "detach", "exit_code", "held", "install", "installed",
+           "uninstall"]
 
 # Every signal that terminates a process by default and can be caught: each stops the job.
 STOP_SIGNALS = tuple(s for s in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1,
@@ -48,7 +46,7 @@ class Stopped(BaseException):
 class _Gate:
     def __init__(self) -> None:
         self.installed = False
-        self.stops: list[int] = []  # every stop signal that reached dtrun (consumed ones excluded)
+        self.stops: list[int] = []  # stop signals acted on so far (SIGQUIT after one adds nothing)
         self.pending: list[int] = []  # recorded while held, not yet handed to a supervisor
         self.target: Optional[Callable[[int], bool]] = None
         self.holds = 0
@@ -113,8 +111,7 @@ def held() -> Iterator[None]:
     if not _gate.holds and _gate.pending and _gate.target is None:
         signum = _gate.pending[0]
         _gate.pending.clear()
-        if not (signum == signal.SIGQUIT and len(_gate.stops) > 0):
-            _gate.stops.append(signum)
+        _gate.stops.append(signum)
         raise Stopped(signum)
 
 
@@ -140,16 +137,3 @@ def attached() -> bool:
 def exit_code(signum: int) -> int:
     """dtrun's exit code after a stop signal: 128 + its number, as shells report it (SIGINT 130)."""
     return 128 + int(signum)
-
-
-def stopped() -> Optional[int]:
-    """The first stop signal that reached dtrun during this run, or None."""
-    return _gate.stops[0] if _gate.stops else None
-
-
-def reset() -> None:
-    """Forget the signals of an earlier run in this process (tests that call ``main`` twice)."""
-    _gate.stops.clear()
-    _gate.pending.clear()
-    _gate.target = None
-    _gate.holds = 0
