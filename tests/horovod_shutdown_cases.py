@@ -8,9 +8,8 @@ under ``dtrun -np 2``. ``python tests/horovod_shutdown_cases.py CASE``, CASE one
   ``hvd.poll`` (Horovod shuts down at exit);
 * ``die``: rank 1 ends without MPI_Finalize (``os._exit(0)``) while rank 0 spins on
   ``hvd.poll``: the launcher must end the job, naming rank 1;
-* ``late_news``: rank 0's shutdown announcement (saying it took part in 2 negotiation
-  exchanges) reaches rank 1 before their last negotiation: that one still runs on both,
-  rank 1's next collective fails;
+* ``late_news``: rank 0 shuts down right after an allreduce that rank 1 submitted late:
+  that one ran on both, rank 1's next collective fails;
 * ``not_a_tensor``: rank 1 passes lists where rank 0 passes tensors (allreduce, then a
   grouped allreduce), then both run a correct allreduce.
 
@@ -84,17 +83,13 @@ def die_case() -> None:
 
 
 def late_news_case() -> None:
-    if R == 0:  # announce the shutdown before the last negotiation (2 exchanges) it runs
-        import numpy as np
-
-        from dtrun.collectives.horovod._farewell import TAG
-        fw = hvd._core.job("late_news").farewells
-        fw.comm.Send(np.array([0, 2], np.int64), dest=1, tag=TAG)
-    else:
-        time.sleep(1.0)  # the announcement has arrived before rank 1 negotiates
+    if R == 0:  # runs "x" (waiting for rank 1), then shuts down at once
+        attempt("allreduce", lambda: hvd.allreduce(torch.ones(3), name="x"))
+        hvd.shutdown()
+        return
+    time.sleep(1.0)  # rank 0 waits in "x" meanwhile
     attempt("allreduce", lambda: hvd.allreduce(torch.ones(3), name="x"))
-    if R == 1:
-        attempt("later allreduce", lambda: hvd.allreduce(torch.ones(3), name="later"))
+    attempt("later allreduce", lambda: hvd.allreduce(torch.ones(3), name="later"))
 
 
 def not_a_tensor_case() -> None:

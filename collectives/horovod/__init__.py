@@ -1,6 +1,7 @@
 """Horovod's API on dtrun's collectives runtime.
 
-A Horovod script changes one import and nothing else::
+A Horovod script changes one import and nothing else (or none: ``dtrun --horovod`` makes
+``import horovod.torch`` and the rest resolve to these modules for that job)::
 
     import dtrun.collectives.horovod.torch as hvd          # was: import horovod.torch as hvd
     import dtrun.collectives.horovod.tensorflow as hvd     # was: import horovod.tensorflow as hvd
@@ -8,15 +9,18 @@ A Horovod script changes one import and nothing else::
 
 Each of those modules imports only its own framework (TensorFlow users never import
 torch, and the reverse). Nothing is compiled against a framework: the collectives are
-``collectives.Comm``'s and PyTorch's ``DistributedOptimizer`` is ``collectives.dp``'s.
-What Horovod has and dtrun does not (Adasum, process sets, elastic) raises at once a
-one-line ``HorovodUnsupportedError`` naming it and the nearest supported alternative.
+``collectives.Comm``'s, matched by name in the background as Horovod's (``_engine.py``),
+and PyTorch's ``DistributedOptimizer`` is ``collectives.dp``'s. What Horovod has and dtrun
+does not (elastic) raises at once a one-line ``HorovodUnsupportedError`` naming it and the
+nearest supported alternative.
 
 Importing this package imports neither a framework nor MPI.
 """
 
 from __future__ import annotations
 
-from ._core import HorovodInternalError, HorovodMismatchError, HorovodUnsupportedError
+from ._core import HorovodUnsupportedError
+from ._engine import DuplicateNameError, HorovodInternalError, HorovodMismatchError
 
-__all__ = ["HorovodInternalError", "HorovodMismatchError", "HorovodUnsupportedError"]
+__all__ = ["DuplicateNameError", "HorovodInternalError", "HorovodMismatchError",
+           "HorovodUnsupportedError"]
