@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import numpy as np  # noqa: F401 (framework modules reach NumPy through here)
 
 from .. import objects as _objects
+from . import _timeline
 from .._queries import query
 from ..errors import CollectiveError
 from ._arrays import OP_NAMES as _OP_NAMES
@@ -177,11 +178,7 @@ def init(comm: Any = None, lock: Any = None, process_sets: Sequence | None = Non
             _JOB = j
             if not _AT_EXIT:
                 _AT_EXIT.append(atexit.register(shutdown))
-            try:  # TEMPORARY until _timeline.py lands
-                from . import _timeline
-                _timeline.attach(j.rank, j.size, j.comm)
-            except ImportError:
-                pass
+            _timeline.attach(j.rank, j.size, j.comm, lock=j.lock)
         j = _JOB
     for ps in process_sets or ():
         add_process_set(ps)
@@ -208,14 +205,10 @@ def shutdown() -> None:
         j, _JOB = _JOB, None
     if j is None:
         return
-    try:  # TEMPORARY until _timeline.py lands
-        from . import _timeline
-        _timeline.detach()
-    except ImportError:
-        pass
     for sid, sc in sorted(j.sets.items(), reverse=True):
         if sc is not None:
             sc.engine.stop()
+    _timeline.detach()  # after the engines: a rank still negotiating is not kept waiting
 
 
 def scope(process_set: Any, op: str) -> Scope:
@@ -371,14 +364,12 @@ def barrier(process_set: Any = global_process_set) -> None:
 # ----------------------------------------------------------------------------- timeline
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Write a Chrome trace of every rank's collectives to ``file_path`` (Horovod's)."""
-    from . import _timeline
     job("start_timeline")
     _timeline.start_timeline(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
     """Stop writing the timeline and close its file."""
-    from . import _timeline
     job("stop_timeline")
     _timeline.stop_timeline()
 

@@ -153,8 +153,8 @@ def _differs(name: str, kind: str, r: int, sig: tuple, r0: int, ref: tuple) -> s
 
 def _timeline():
     """The timeline being written (None: none). ``_core.init`` imports its module."""
-    tl = sys.modules.get(__package__ + "._timeline")
-    return None if tl is None else tl.current()
+    current = getattr(sys.modules.get(__package__ + "._timeline"), "current", None)
+    return None if current is None else current()
 
 
 @dataclass
