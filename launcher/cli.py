@@ -65,6 +65,7 @@ def run(
     nccl_debug: Optional[str] = typer.Option(None, "--nccl-debug", help="Set NCCL_DEBUG=LEVEL on every rank (e.g. INFO, WARN)."),
     no_tree_spawn: bool = typer.Option(False, "--no-tree-spawn", help="Start all remote daemons from this host (Open MPI)."),
     pin_gpus: bool = typer.Option(False, "--pin-gpus", help="Show each rank one GPU (CUDA_VISIBLE_DEVICES = local rank modulo the GPUs), for programs that do not pick one."),
+    horovod: bool = typer.Option(False, "--horovod", help="Run an unchanged Horovod script on dtrun's adapter: in this job only, `import horovod.torch` (.tensorflow, .keras) loads dtrun.collectives.horovod."),
     mpirun: Optional[str] = typer.Option(None, "--mpirun", help="The mpirun/mpiexec to use (default: the one in this environment, then PATH)."),
     launcher: str = typer.Option("auto", "--launcher", help="srun or mpirun (default: srun inside a Slurm allocation when the MPI supports it)."),
     ssh_config: Optional[str] = _SSH_CONFIG,
@@ -95,7 +96,7 @@ def run(
         no_tree_spawn=no_tree_spawn, mpirun=mpirun, ssh_config=ssh_config, dry_run=dry_run,
         preflight=not no_preflight, verbose=verbose, hang_timeout=hang_timeout, on_hang=on_hang,
         timeout=timeout, start_timeout=start_timeout,
-        pin_gpus=pin_gpus, launcher=launcher, max_restarts=max_restarts, min_np=min_np, spares=spares, top=top,
+        pin_gpus=pin_gpus, horovod=horovod, launcher=launcher, max_restarts=max_restarts, min_np=min_np, spares=spares, top=top,
     )
     # The CLI is the one place that joins the launcher and the checks: the preflight returns
     # an interface choice that the launch applies (launcher/ itself never imports checks/).

@@ -63,6 +63,8 @@ class LaunchSpec:
     master_addr: Optional[str] = None  # torch.distributed env:// rendezvous (launcher/rendezvous.py)
     master_port: Optional[int] = None
     pin_gpus: bool = False  # --pin-gpus: the rank wrapper sets CUDA_VISIBLE_DEVICES per local rank
+    horovod_alias: Optional[str] = None  # --horovod: the folder put first on the ranks' PYTHONPATH
+    inherited_pythonpath: Optional[str] = None  # --horovod: this shell's PYTHONPATH, kept after that folder
 
 
 def tree_radix(environ) -> int:
@@ -122,6 +124,8 @@ def _env_list(spec: LaunchSpec) -> list[tuple[str, Optional[str], str]]:
     if spec.master_addr:
         out.append(("MASTER_ADDR", spec.master_addr, "rank 0's host, for torch.distributed's env:// rendezvous"))
         out.append(("MASTER_PORT", str(spec.master_port), "a port chosen free at launch, the same on every rank"))
+    if spec.horovod_alias:
+        out.append(_horovod_pythonpath(spec, user))
     if spec.pin_gpus:
         out.append(("DTRUN_GPU_PER_RANK", "1", "--pin-gpus: each rank sees one GPU (local rank modulo the GPUs)"))
     if spec.rank_wrapper:
@@ -137,6 +141,19 @@ def _env_list(spec: LaunchSpec) -> list[tuple[str, Optional[str], str]]:
         out = [e for e in out if e[0] != name]
         out.append((name, value, "-x from the command line"))
     return out
+
+
+def _horovod_pythonpath(spec: LaunchSpec, user: dict) -> tuple[str, str, str]:
+    """--horovod's PYTHONPATH: dtrun's alias folder, then the user's own PYTHONPATH (-x
+    PYTHONPATH=VALUE, else this shell's), which it takes out of ``user`` so that it is not set twice."""
+    why = ("--horovod: dtrun's alias package first, so that `import horovod.torch` (.tensorflow, .keras) "
+           "loads dtrun.collectives.horovod, in this job only")
+    theirs, source = user.pop("PYTHONPATH", None), "the value of -x PYTHONPATH"
+    if theirs is None:  # not set with -x (or forwarded by name): this shell's
+        theirs, source = spec.inherited_pythonpath, "this shell's PYTHONPATH"
+    if not theirs:
+        return "PYTHONPATH", spec.horovod_alias, why
+    return "PYTHONPATH", f"{spec.horovod_alias}:{theirs}", f"{why}; {source} kept after it"
 
 
 def iface_groups_openmpi(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:

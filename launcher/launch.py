@@ -12,7 +12,7 @@ from typing import Callable, Mapping, Optional
 
 from dtrun.launcher import command as cmd
 from dtrun.launcher import safe
-from dtrun.launcher.errors import ExitCode, UsageError, signal_exit_code
+from dtrun.launcher.errors import ExitCode, LaunchError, UsageError, signal_exit_code
 from dtrun.launcher.job import stopsignals
 from dtrun.launcher.flavors import Flavor, detect_flavor, find_mpirun
 from dtrun.launcher.hosts import SLURM_SOURCE, HostSelection, all_local, is_local, resolve_hosts, resolve_np
@@ -21,6 +21,10 @@ from dtrun.launcher.paths import new_run_id
 from dtrun.launcher.sshconf import base_ssh_config, job_ssh_files
 
 RANKEXEC = str(Path(__file__).parent / "remote" / "rankexec.py")
+# --horovod: the folder whose `horovod` package maps Horovod's modules to dtrun.collectives.horovod
+# (collectives/horovod/_alias/horovod/_finder.py); a sibling of launcher/ both in the source tree
+# and installed (dtrun/launcher, dtrun/collectives).
+HOROVOD_ALIAS = str(Path(__file__).parent.parent / "collectives" / "horovod" / "_alias")
 # Every rank's wrapper must have started by then (ssh, daemons and the wrapper's own start),
 # or the hosts they were meant for are named and the job is stopped (0 turns it off).
 DEFAULT_START_TIMEOUT_S = 120.0
@@ -65,6 +69,7 @@ class LaunchOptions:
     dry_run: bool = False
     rank_wrapper: bool = True
     pin_gpus: bool = False  # CUDA_VISIBLE_DEVICES per local rank, set by the rank wrapper
+    horovod: bool = False  # `import horovod` loads dtrun.collectives.horovod on the ranks (PYTHONPATH)
     preflight: bool = True  # check ssh and choose interfaces before a multi-host launch (checks/preflight.py)
     verbose: bool = False  # print the decisions (the --dry-run text) on stderr before launching
     run_id: Optional[str] = None  # --log-dir: this run's subdirectory (default: time and pid)
@@ -284,7 +289,21 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, env
         master_addr=master_addr,
         master_port=master_port,
         pin_gpus=opts.pin_gpus,
+        horovod_alias=horovod_alias() if opts.horovod else None,
+        inherited_pythonpath=environ.get("PYTHONPATH") if opts.horovod else None,
     )
+
+
+def horovod_alias() -> str:
+    """The folder --horovod puts first on the ranks' PYTHONPATH.
+
+    Raises:
+        LaunchError: this install of dtrun lacks it.
+    """
+    if not os.path.isfile(os.path.join(HOROVOD_ALIAS, "horovod", "__init__.py")):
+        raise LaunchError(f"--horovod: dtrun's horovod alias package is missing from this install "
+                          f"({HOROVOD_ALIAS}/horovod): reinstall dtrun")
+    return HOROVOD_ALIAS
 
 
 def local_facts(opts: LaunchOptions, flavor: Flavor, selection: HostSelection,

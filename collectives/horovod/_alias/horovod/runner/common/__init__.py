@@ -1,0 +1,1 @@
+"""``horovod.runner.common`` under ``dtrun --horovod`` (``util.env`` only)."""
