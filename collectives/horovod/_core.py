@@ -24,7 +24,7 @@ from ._arrays import (Average, Max, Min, Product, Sum, _is_bf16, bits,  # noqa: 
                       neutral, np_allgather, np_allreduce, np_alltoall, np_reducescatter,
                       split_rows)
 from ._engine import (NOT_A_TENSOR, DuplicateNameError, Engine, Handle,  # noqa: F401
-                      HorovodInternalError, HorovodMismatchError, Request, compare, stand_in)
+                      HorovodInternalError, HorovodMismatchError, Request, compare)
 
 # The framework-neutral API: each framework module re-exports it (``from .._core import *``).
 __all__ = [

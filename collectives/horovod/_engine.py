@@ -36,7 +36,7 @@ import numpy as np
 
 from ..errors import CollectiveError, MismatchError
 from ._arrays import OP_NAMES as _OP_NAMES
-from ._arrays import Average, Sum, _is_bf16, bits, neutral
+from ._arrays import Average, Sum, _is_bf16, neutral
 
 
 class HorovodInternalError(CollectiveError, RuntimeError):
@@ -256,7 +256,7 @@ class Engine:
         return req.done
 
     def join(self) -> int:
-        """Take part in the other ranks' allreduces and broadcasts with neutral tensors
+        """Take part in the other ranks' allreduces with neutral tensors
         until every rank has joined; return the rank that joined last."""
         with self.cv:
             if self.stopped is not None:
@@ -456,12 +456,10 @@ class Engine:
     def _run_ready(self, name: str, sigs: list[tuple[int, tuple]], joined: list[int]) -> None:
         kind, shapes, dtypes, op, root = sigs[0][1]
         problem = compare(name, sigs)
-        if problem is None and joined and kind not in ("allreduce", "grouped_allreduce",
-                                                       "broadcast"):
-            problem = (f"{kind} {name!r} cannot run while ranks {joined} have joined "
-                       "(join covers allreduce and broadcast, as Horovod's)")
-        if problem is None and joined and root in joined:
-            problem = f"broadcast {name!r} has root_rank {root}, which has joined"
+        if problem is None and joined and kind not in ("allreduce", "grouped_allreduce"):
+            problem = (f"{kind} {name!r} cannot run while ranks {joined} have joined: "
+                       f"{kind} is not supported with join (join covers allreduce, as "
+                       "Horovod's)")
         req = None if self.joined_at >= 0 else self.pending.pop(name)
         if problem is not None:
             if req is not None:
@@ -472,8 +470,7 @@ class Engine:
             tl.negotiate_end(name, kind, [r for r, _ in sigs])
             tl.op_start(name, kind)
         if req is None:  # this rank has joined: take part with a neutral tensor
-            self._locked(lambda: stand_in(self.comm, kind, shapes, dtypes, op,
-                                          self.ranks.index(root) if root >= 0 else root))
+            self._locked(lambda: stand_in(self.comm, shapes, dtypes, op))
         else:
             self._run(req, name)
         if tl is not None:
@@ -508,17 +505,13 @@ def _nbytes(shapes: tuple, dtypes: tuple) -> int:
     return total
 
 
-def stand_in(comm: Any, kind: str, shapes: tuple, dtypes: tuple, op: str, root: int) -> None:
-    """A joined rank's part in another rank's allreduce or broadcast (``root``: the
-    set-local index)."""
+def stand_in(comm: Any, shapes: tuple, dtypes: tuple, op: str) -> None:
+    """A joined rank's part in another rank's allreduce: the op's neutral value."""
     from ..dtypes import BFLOAT16
     for shape, dt in zip(shapes, dtypes):
         dtype = BFLOAT16 if dt == "bfloat16" else np.dtype(dt)
-        if kind == "broadcast":
-            comm.broadcast(bits(np.zeros(shape, dtype)), root=root, inplace=True)
-        else:
-            if _is_bf16(np.zeros(0, dtype)):
-                dtype = np.dtype(np.float32)  # as np_allreduce sends it
-            if op == Average and dtype.kind in "iub":
-                op = Sum  # as np_allreduce sends it
-            comm.allreduce(np.full(shape, neutral(dtype, op), dtype), op=op, inplace=True)
+        if _is_bf16(np.zeros(0, dtype)):
+            dtype = np.dtype(np.float32)  # as np_allreduce sends it
+        if op == Average and dtype.kind in "iub":
+            op = Sum  # as np_allreduce sends it
+        comm.allreduce(np.full(shape, neutral(dtype, op), dtype), op=op, inplace=True)
