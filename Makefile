@@ -28,6 +28,10 @@ $(RUNTIME_STAMP): pyproject.toml setup.py collectives/_fastshm.c
 # `collectives` and `launcher` distributions, which dtrun must install beside untouched.
 $(STAMP): $(RUNTIME_STAMP)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	@# tf_keras (Keras 2, TF_USE_LEGACY_KERAS=1) for the Horovod adapter's tests, matched to the
+	@# TensorFlow installed; --no-deps: its requirement is `tensorflow`, which tensorflow-cpu provides.
+	tf=$$($(BIN)/python -c 'import importlib.metadata as m; v = m.version("tensorflow-cpu").split("."); print(f"{v[0]}.{v[1]}.0")'); \
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps "tf_keras~=$$tf"
 	@tag=$$($(BIN)/python -c 'import sys; print("cp%d%d" % sys.version_info[:2])'); \
 	whl=$$(ls $(TORCH_WHEELS)/torch-*+cpu-$$tag-*.whl 2>/dev/null | head -1); \
 	if [ -n "$$whl" ]; then echo "installing $$whl"; $(BIN)/pip install -q "$$whl"; \

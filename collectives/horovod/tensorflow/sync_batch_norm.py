@@ -8,14 +8,15 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from . import Sum, _allreduce, size
+from .. import _core
+from .mpi_ops import Sum, _allreduce
 
 
 class SyncBatchNormalization(keras.layers.BatchNormalization):
     """``keras.layers.BatchNormalization`` whose training statistics cover every rank."""
 
     def _moments(self, inputs, mask):
-        if mask is not None or size() == 1:
+        if mask is not None or _core.size() == 1:
             return super()._moments(inputs, mask)
         x = tf.cast(inputs, tf.float64)
         axes = list(self._reduction_axes)
@@ -23,7 +24,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         n = tf.cast(tf.reduce_prod(tf.gather(shape, axes)), tf.float64)
         local = tf.concat([tf.reduce_sum(x, axes), tf.reduce_sum(x * x, axes),
                            tf.reshape(n, [1])], axis=0)
-        total = _allreduce(local, Sum, 1.0, 1.0, None)
+        total = _allreduce(local, op=Sum)
         c = tf.shape(local)[0] // 2
         count = total[-1]
         mean = total[:c] / count
