@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -42,6 +43,12 @@ from .checkpoint import to_cpu as _to_cpu
 from .errors import CollectiveError, MismatchError
 
 AVG, SUM = "avg", "sum"
+# Horovod's warning, which Horovod users' tests look for (the gradients are not averaged
+# again here: Horovod's optimizer reduces them a second time).
+_STEP_AFTER_SYNCHRONIZE = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after "
+    "optimizer.synchronize(): the gradients are averaged already; call step() inside "
+    "`with optimizer.skip_synchronize():` after an explicit synchronize()")
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
 
@@ -323,18 +330,21 @@ def _first_difference(tables: list[list[tuple[str, tuple, str]]]) -> str | None:
 # ---------------------------------------------------------------- the optimizer
 class _Slot:
     __slots__ = ("name", "param", "bucket", "index", "offset", "numel", "passes", "ready",
-                 "hook_owner")
+                 "hook_owner", "sparse", "gathered")
 
     def __init__(self, name: str, param: torch.Tensor):
         self.name, self.param = name, param
         self.bucket: _Bucket | None = None
         self.index = self.offset = self.numel = 0
         self.passes, self.ready = 0, False
+        self.sparse: torch.Tensor | None = None  # this step's sparse gradient, to gather
+        self.gathered = False  # the last synchronize() gathered this gradient (sparse)
 
 
 class _Bucket:
-    """Gradients of several parameters in one flat buffer, plus one flag per
-    parameter (1 where this rank had a gradient) at the end."""
+    """Gradients of several parameters in one flat buffer, plus two flags per
+    parameter at the end: 1 where this rank had a dense gradient, then 1 where it had a
+    sparse gradient to gather (nonzero after the reduction: some rank had one)."""
 
     def __init__(self, index: int, slots: list[_Slot], dtype: torch.dtype, device: torch.device):
         self.index, self.slots = index, slots
@@ -343,8 +353,10 @@ class _Bucket:
             s.bucket, s.index, s.offset, s.numel = self, i, offset, s.param.numel()
             offset += s.numel
         self.flag_offset = offset
-        self.flat = torch.zeros(offset + len(slots), dtype=dtype, device=device)
-        self.flags = self.flat[offset:]
+        n = len(slots)
+        self.flat = torch.zeros(offset + 2 * n, dtype=dtype, device=device)
+        self.flags = self.flat[offset:offset + n]
+        self.sparse_flags = self.flat[offset + n:]
         # CPU: hand the runtime a NumPy view made once (its fastest path).
         self.buffer = self.flat.numpy() if device.type == "cpu" else self.flat
         self.pending = len(slots)
@@ -356,6 +368,7 @@ class _Bucket:
     def reset(self) -> None:
         self.pending = len(self.slots)
         self.done.clear()
+        self.sparse_flags.zero_()  # set again by the next fills that keep a sparse gradient
         for s in self.slots:
             s.passes, s.ready = 0, False
 
@@ -440,7 +453,7 @@ class _DistributedOptimizer:
     """Methods mixed into a copy of the user's optimizer (see DistributedOptimizer)."""
 
     def _dp_setup(self, named_parameters, op, backward_passes_per_step, compression,
-                  bucket_bytes, overlap) -> None:
+                  bucket_bytes, overlap, sparse_as_dense) -> None:
         ctx = _ctx("DistributedOptimizer")
         if op not in (AVG, SUM):
             raise _usage(ctx, f"op={op!r}; use 'avg' or 'sum'")
@@ -451,6 +464,7 @@ class _DistributedOptimizer:
             raise _usage(ctx, "backward_passes_per_step must be >= 1")
         self._dp_ctx = ctx
         self._dp_op, self._dp_k = op, int(backward_passes_per_step)
+        self._dp_sparse_as_dense = bool(sparse_as_dense)
         self._dp_compression = compression
         in_opt = [p for g in self.param_groups for p in g["params"]]
         if named_parameters is None:
@@ -546,13 +560,18 @@ class _DistributedOptimizer:
             self._dp_launch_ready()
 
     def _dp_fill(self, slot: _Slot) -> None:
-        """Copy this rank's gradient (or zeros, if it has none) into the bucket."""
+        """Copy this rank's gradient (or zeros, if it has none) into the bucket. A sparse
+        gradient goes in dense (``sparse_as_dense``) or is kept aside to be gathered."""
         b = slot.bucket
         view = b.flat[slot.offset:slot.offset + slot.numel]
         g = slot.param.grad
-        if g is None:
+        slot.sparse = None
+        if g is None or (g.is_sparse and not self._dp_sparse_as_dense):
             view.zero_()
             b.flags[slot.index] = 0
+            if g is not None:
+                slot.sparse = g
+                b.sparse_flags[slot.index] = 1
         else:
             if g.is_sparse:
                 g = g.to_dense()
@@ -625,6 +644,8 @@ class _DistributedOptimizer:
                 view = b.flat[s.offset:s.offset + s.numel].view(p.shape)
                 if p.grad is None:
                     p.grad = view.to(p.dtype, copy=True)
+                elif p.grad.is_sparse:  # reduced dense (sparse_as_dense): sparse again
+                    p.grad = view.to(p.dtype, copy=True).to_sparse(p.grad.sparse_dim())
                 else:
                     p.grad.copy_(view)
 
@@ -647,10 +668,58 @@ class _DistributedOptimizer:
         self._dp_launch_ready()
         try:
             self._dp_wait_all()
+            self._dp_gather_sparse()
         finally:
             self._dp_in_flight.clear()
             self._dp_reset()
         self._dp_synchronized = True
+
+    def _dp_gather_sparse(self) -> None:
+        """Reduce the sparse gradients kept aside (``sparse_as_dense=False``) as Horovod's
+        sparse allreduce does: every rank's indices and values gathered into one sparse
+        gradient (its duplicates sum when it is coalesced), the values divided by the size
+        for op avg. A parameter some rank had a dense gradient for gets the sum of both."""
+        todo = []
+        for b in self._dp_buckets:
+            sparse, dense = b.sparse_flags.tolist(), b.flags.tolist()
+            for s in b.slots:
+                s.gathered = sparse[s.index] != 0
+                if s.gathered:
+                    todo.append((s, dense[s.index] != 0))
+        if not todo:
+            return
+        metas = _allgather_objects([None if s.sparse is None else s.sparse.sparse_dim()
+                                    for s, _ in todo])
+        for i, (s, mixed) in enumerate(todo):
+            dims = next(m[i] for m in metas if m[i] is not None)
+            self._dp_gather_one(s, dims, mixed)
+            s.sparse = None
+
+    def _dp_gather_one(self, s: _Slot, sparse_dim: int, mixed: bool) -> None:
+        p, ctx = s.param, self._dp_ctx
+        if s.sparse is None:  # no sparse gradient here: this rank adds no rows
+            dtype = p.grad.dtype if p.grad is not None else p.dtype
+            idx = torch.zeros((0, sparse_dim), dtype=torch.int64)
+            val = torch.zeros((0,) + tuple(p.shape[sparse_dim:]), dtype=dtype)
+        else:
+            idx = s.sparse._indices().t().contiguous().cpu()
+            val = s.sparse._values().contiguous().cpu()
+        bf16 = val.dtype == torch.bfloat16  # MPI moves its bits
+        with _LOCK:
+            gi = ctx.comm.allgatherv(idx.numpy())
+            gv = ctx.comm.allgatherv((val.view(torch.int16) if bf16 else val).numpy())
+        values = torch.from_numpy(gv)
+        values = (values.view(torch.bfloat16) if bf16 else values).to(p.device)
+        if self._dp_op == AVG:
+            values = values / ctx.size
+        result = torch.sparse_coo_tensor(torch.from_numpy(gi).t().to(p.device), values, p.shape,
+                                         check_invariants=False)
+        with torch.no_grad():
+            if mixed:  # the dense part was reduced in the bucket: add the two
+                both = p.grad.to_dense() + result.to_dense()
+                p.grad = both.to_sparse(sparse_dim) if p.grad.is_sparse else both
+            else:
+                p.grad = result
 
     def _dp_wait_all(self) -> None:
         if self._dp_worker is None:
@@ -696,6 +765,8 @@ class _DistributedOptimizer:
                                       "optimizer.synchronize() first")
         elif not self._dp_synchronized:
             self.synchronize()
+        else:
+            warnings.warn(_STEP_AFTER_SYNCHRONIZE, stacklevel=2)
         self._dp_synchronized = False
         return super(self.__class__, self).step(closure) if closure is not None \
             else super(self.__class__, self).step()
@@ -712,7 +783,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
                          op: str = AVG, backward_passes_per_step: int = 1,
                          compression: str = Compression.none,
                          bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                         overlap: bool = True) -> torch.optim.Optimizer:
+                         overlap: bool = True,
+                         sparse_as_dense: bool = True) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
 
     The result is an instance of the optimizer's own class (learning-rate schedulers
@@ -734,6 +806,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
         bucket_bytes: gradient bytes per allreduce bucket (default 4 MiB).
         overlap: allreduce buckets from a background thread during backward
             (default); False reduces everything in ``synchronize()``.
+        sparse_as_dense: sparse gradients (``nn.Embedding(sparse=True)``) are reduced
+            dense (default); False gathers every rank's indices and values instead
+            (Horovod's sparse allreduce, cheaper for large, sparsely used embeddings).
+            ``.grad`` stays sparse either way.
 
     Raises:
         NotInitializedError: ``init()`` was not called.
@@ -746,5 +822,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     dist = cls.__new__(cls)
     dist.__dict__.update(optimizer.__dict__)  # same param_groups and state objects
     dist._dp_setup(named_parameters, op, backward_passes_per_step, compression,
-                   bucket_bytes, overlap)
+                   bucket_bytes, overlap, sparse_as_dense)
     return dist

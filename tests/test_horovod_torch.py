@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from tests.dtrun_helpers import DTRUN, REPO, user_env
-from tests.horovod_common import (ADASUM, assert_trained_alike, driver_tests, example_line,
-                                   load_ranks, mismatch, results)
+from tests.horovod_common import (assert_trained_alike, driver_tests, example_line, load_ranks,
+                                   results)
 
 PYTHON = sys.executable
 CASES = str(REPO / "tests" / "horovod_torch_cases.py")
@@ -24,23 +24,20 @@ def _check(found: list[dict], out, n: int) -> None:
     for res in found:
         assert res["size"] == n
         assert res["failures"] == [], res["failures"]
-        assert res["checked"] > 700  # every dtype x op x form ran
+        assert res["checked"] > 600  # every dtype x op x form ran
         # every rank sees root's object and every rank's, in rank order
         assert res["objects"] == [{"from": n - 1, "epoch": 3}, [[r, "x" * r] for r in range(n)]]
         assert res["join_last"] == 0  # rank 0 joined after the others
-        assert res["hasattr_Adasum"] is False
         un = res["unsupported"]
-        assert un["Adasum"] == ADASUM
-        assert un["optimizer Adasum"] == un["Adasum"]
-        assert un["add_process_set"].startswith("add_process_set: not provided")
-        assert un["process_set"].startswith("allreduce(process_set=...): not provided")
+        assert list(un) == ["elastic"]
         assert "dtrun --max-restarts" in un["elastic"] and "save_checkpoint" in un["elastic"]
-        for msg in un.values():
-            assert "\n" not in msg
+        assert "\n" not in un["elastic"]
         assert res["queries"][:5] == [True, True, False, False, True]
         if n > 1:
             # the last rank passed shape (4,), the others (3,): the same line everywhere
-            assert res["mismatch"] == mismatch(res["rank"], n)
+            assert res["mismatch"] == (
+                f"allreduce on rank {res['rank']}: allreduce 'allreduce.grads.w' has shape "
+                f"(4,) on rank {n - 1} but (3,) on rank 0")
             # float16 sum of 60000 x n overflows; predivided by n it does not
             assert res["predivide"]["1.0"] == [float("inf")] * 4
             assert res["predivide"][str(float(n))] == [60000.0] * 4
@@ -97,7 +94,7 @@ def test_peer_shutdown_fails_waiting_and_later_collectives():
     res = results(_two_ranks("shutdown"), 2)[0]
     _shut_down(res["allreduce"], "allreduce", "allreduce.noname.0")
     assert res["waited"] < 30
-    _shut_down(res["later allreduce"], "allreduce", "later")
+    _shut_down(res["later allreduce"], "allreduce", "allreduce.later")  # Horovod names it so
     _shut_down(res["barrier"], "barrier", "barrier.noname.0")
     _shut_down(res["broadcast_object"], "broadcast_object", "broadcast_object.noname.0")
     assert res["own shutdown"] == ["ValueError", "allreduce: Horovod has not been initialized; "
@@ -132,7 +129,7 @@ def test_a_shutdown_fails_only_what_the_leaving_rank_took_no_part_in():
     got = r1["later allreduce"]
     assert got[0] == "HorovodInternalError", got
     assert got[1].startswith("allreduce on rank 1: Horovod has been shut down: rank 0 "), got
-    assert "without running 'later'" in got[1], got
+    assert "without running 'allreduce.later'" in got[1], got
 
 
 @pytest.mark.mpi
@@ -201,8 +198,8 @@ def test_unsupported_api_names_itself_before_init():
     import dtrun.collectives.horovod.torch as hvd
 
     with pytest.raises(hvd.HorovodUnsupportedError) as e:
-        hvd.ProcessSet  # noqa: B018
-    assert str(e.value).startswith("ProcessSet: not provided by collectives.horovod; ")
+        import dtrun.collectives.horovod.torch.elastic  # noqa: F401
+    assert str(e.value).startswith("elastic: not provided by collectives.horovod; ")
     with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
         hvd.no_such_thing  # noqa: B018
     with pytest.raises(ValueError, match="Horovod has not been initialized; use hvd.init"):

@@ -192,6 +192,7 @@ class Engine:
         self.gone: int | None = None         # the rank whose shutdown stopped the engine
         self.stopped: str | None = None      # why the engine stopped (None: running)
         self.rounds = 0
+        self.joined_now = False   # some rank has joined, in the round running now
         self._stuck_since: float | None = None
         self._idle_rounds = 0
         self.thread = None
@@ -469,6 +470,7 @@ class Engine:
         if tl is not None:
             tl.negotiate_end(name, kind, [r for r, _ in sigs])
             tl.op_start(name, kind)
+        self.joined_now = bool(joined)  # read by runs that fuse (a stand-in never does)
         if req is None:  # this rank has joined: take part with a neutral tensor
             self._locked(lambda: stand_in(self.comm, shapes, dtypes, op))
         else:
