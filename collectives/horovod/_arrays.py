@@ -77,7 +77,11 @@ def bits(x: np.ndarray) -> np.ndarray:
 
 
 def _scale(y: np.ndarray, factor: float) -> None:
-    if y.dtype.kind in "fc":
+    """``y *= factor`` as Horovod scales: float16 in float32, rounded once; integers
+    truncated."""
+    if y.dtype == np.float16:
+        y[...] = (y.astype(np.float32) * np.float32(factor)).astype(np.float16)
+    elif y.dtype.kind in "fc":
         np.multiply(y, y.dtype.type(factor), out=y)
     else:
         y[...] = np.trunc(y * factor).astype(y.dtype)
