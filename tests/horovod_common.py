@@ -139,3 +139,28 @@ def example_line(example: str, prefix: str, *args, timeout: int) -> str:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(prefix)]
     assert len(lines) == 1, proc.stdout[-2000:]
     return lines[0]
+
+
+def raises(failures: list[str], what: str, kinds, call, *needles) -> None:
+    """Add a line to ``failures`` unless ``call()`` raises one of ``kinds`` whose message
+    holds every needle."""
+    try:
+        call()
+    except kinds as e:
+        missing = [n for n in needles if n not in str(e)]
+        if missing:
+            failures.append(f"{what}: {type(e).__name__}({str(e)[:300]}) lacks {missing}")
+        return
+    except Exception as e:  # noqa: BLE001 — the wrong type is the finding
+        failures.append(f"{what}: raised {type(e).__name__}({str(e)[:300]}), not {kinds}")
+        return
+    failures.append(f"{what}: raised nothing")
+
+
+def compared(failures: list[str], what: str, got: np.ndarray, want, atol: float) -> None:
+    """Add a line to ``failures`` unless ``got`` (float64) equals ``want`` to ``atol``."""
+    want = np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape or not np.allclose(got, want, rtol=0, atol=atol):
+        failures.append(f"{what}: {got.ravel()[:6].tolist()} != {want.ravel()[:6].tolist()} "
+                        f"(shapes {got.shape}, {want.shape})")
+

@@ -30,35 +30,25 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import dtrun.collectives.horovod.tensorflow as hvd  # noqa: E402
+from horovod_common import compared  # noqa: E402 (this script's folder)
+from horovod_common import raises as _raises  # noqa: E402
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
+
 failures: list[str] = []
 ran: list[str] = []
 WAIT_S = 30.0  # the longest a forced ordering waits for the other collective's input
 
 
 def same(what: str, got, want, atol: float = 0.0) -> None:
-    got = np.asarray(got.numpy() if hasattr(got, "numpy") else got, dtype=np.float64)
-    want = np.asarray(want, dtype=np.float64)
-    if got.shape != want.shape or not np.allclose(got, want, rtol=0, atol=atol):
-        failures.append(f"{what}: {got.ravel()[:6].tolist()} != {want.ravel()[:6].tolist()} "
-                        f"(shapes {got.shape}, {want.shape})")
+    compared(failures, what, np.asarray(got.numpy() if hasattr(got, "numpy") else got,
+                                        dtype=np.float64), want, atol)
 
 
 def raises(what: str, kinds, call, *needles) -> None:
     """``call()`` must raise one of ``kinds`` whose message holds every needle."""
-    try:
-        call()
-    except kinds as e:
-        missing = [n for n in needles if n not in str(e)]
-        if missing:
-            failures.append(f"{what}: {type(e).__name__}({str(e)[:300]}) lacks {missing}")
-        return
-    except Exception as e:  # noqa: BLE001 — the wrong type is the finding
-        failures.append(f"{what}: raised {type(e).__name__}({str(e)[:300]}), not {kinds}")
-        return
-    failures.append(f"{what}: raised nothing")
+    _raises(failures, what, kinds, call, *needles)
 
 
 def vals(r: int, rows: int, cols: int = 3, scale: float = 1.0) -> np.ndarray:

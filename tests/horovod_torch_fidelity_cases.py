@@ -26,35 +26,24 @@ import numpy as np
 import torch
 
 import dtrun.collectives.horovod.torch as hvd
+from horovod_common import compared  # noqa: E402 (this script's folder)
+from horovod_common import raises as _raises  # noqa: E402
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
+
 failures: list[str] = []
 ran: list[str] = []
 
 
 def same(what: str, got, want, atol: float = 0.0) -> None:
-    got = got.detach().to(torch.float64).numpy() if isinstance(got, torch.Tensor) else \
-        np.asarray(got, dtype=np.float64)
-    want = np.asarray(want, dtype=np.float64)
-    if got.shape != want.shape or not np.allclose(got, want, rtol=0, atol=atol):
-        failures.append(f"{what}: {got.ravel()[:6].tolist()} != {want.ravel()[:6].tolist()} "
-                        f"(shapes {got.shape}, {want.shape})")
+    compared(failures, what, got.detach().to(torch.float64).numpy()
+             if isinstance(got, torch.Tensor) else np.asarray(got, dtype=np.float64), want, atol)
 
 
 def raises(what: str, kinds, call, *needles) -> None:
     """``call()`` must raise one of ``kinds`` whose message holds every needle."""
-    try:
-        call()
-    except kinds as e:
-        missing = [n for n in needles if n not in str(e)]
-        if missing:
-            failures.append(f"{what}: {type(e).__name__}({e}) lacks {missing}")
-        return
-    except Exception as e:  # noqa: BLE001 — the wrong type is the finding
-        failures.append(f"{what}: raised {type(e).__name__}({e}), not {kinds}")
-        return
-    failures.append(f"{what}: raised nothing")
+    _raises(failures, what, kinds, call, *needles)
 
 
 def grad_of(x: torch.Tensor, out: torch.Tensor, weight: np.ndarray) -> torch.Tensor:

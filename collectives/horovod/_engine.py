@@ -234,15 +234,7 @@ class Engine:
     def synchronize(self, handle: Handle) -> Any:
         req = handle.request
         with self.cv:
-            self.blocked += 1
-            try:
-                while not req.done:
-                    if self.thread is None:
-                        self._round()
-                    else:
-                        self.cv.wait(0.5)
-            finally:
-                self.blocked -= 1
+            self._wait_until(lambda: req.done)
         if req.error is not None:
             raise req.error
         return req.result
@@ -264,20 +256,27 @@ class Engine:
                 raise self.stopped_error("join", "join")
             self.joined_at = self.rounds
             self.join_result = None
-            self.blocked += 1
             self.cv.notify_all()
             try:
-                while self.join_result is None and self.stopped is None:
-                    if self.thread is None:
-                        self._round()
-                    else:
-                        self.cv.wait(0.5)
+                self._wait_until(lambda: self.join_result is not None or self.stopped is not None)
             finally:
-                self.blocked -= 1
                 self.joined_at = -1
             if self.join_result is None:
                 raise self.stopped_error("join", "join")
             return self.join_result
+
+    def _wait_until(self, done: Callable[[], bool]) -> None:
+        """Block this thread (holding ``cv``) until ``done()``: counted as blocked, so that
+        every rank blocked on names no other rank submitted is found to be a deadlock."""
+        self.blocked += 1
+        try:
+            while not done():
+                if self.thread is None:
+                    self._round()
+                else:
+                    self.cv.wait(0.5)
+        finally:
+            self.blocked -= 1
 
     def stop(self, removing: bool = False) -> None:
         """Leave (shutdown; ``removing``: the process set is removed on every rank): say so
