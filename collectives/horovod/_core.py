@@ -159,16 +159,17 @@ _INIT_LOCK = threading.Lock()
 
 
 def init(comm: Any = None, lock: Any = None, process_sets: Sequence | None = None) -> Job:
-    """Start (or join) the job. ``comm``: the collectives.Comm to run on (default: the
-    world). ``lock``: held around every collective where MPI is not thread-safe
+    """Start (or join) the job. ``comm``: the collectives.Comm the background thread runs
+    the collectives on (default: a duplicate of the world; one given here must not be used
+    by the program at the same time). ``lock``: held around every collective where MPI is not thread-safe
     (collectives.dp's, whose background thread shares MPI). Calling it again returns
     the same job at once. ``process_sets``: registered after start-up, in order."""
     global _JOB
     with _INIT_LOCK:
         if _JOB is None:
-            if comm is None:
+            if comm is None:  # a communicator of its own: its thread never meets the user's calls
                 from .. import comm as _comm
-                comm = _comm.init()
+                comm = _comm.init().split(0)
             from .._mpi import MPI
             threaded = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
             j = Job(comm, comm.rank, comm.size, comm.local_rank, comm.local_size,
