@@ -148,6 +148,7 @@ class Job:
     cross_size: int
     engine: Engine = field(repr=False, default=None)
     sets: dict = field(repr=False, default_factory=dict)  # id -> Scope (members) or None
+    set_ranks: dict = field(repr=False, default_factory=dict)  # id -> the set's ranks (all ranks know)
     next_id: int = 1
     threaded: bool = True
     lock: Any = None
@@ -229,6 +230,17 @@ def scope(process_set: Any, op: str) -> Scope:
     return sc
 
 
+def process_set_ranks(sid: int, op: str) -> list[int]:
+    """The ranks of the process set numbered ``sid`` (0: every rank), known on every rank,
+    members or not."""
+    j = job(op)
+    if sid == 0:
+        return list(range(j.size))
+    if sid not in j.set_ranks:
+        raise ValueError(f"{op}: process set {sid} is not registered (hvd.add_process_set)")
+    return list(j.set_ranks[sid])
+
+
 def add_process_set(process_set: Any) -> ProcessSet:
     """Register ``process_set`` (a ProcessSet or a list of ranks) on every rank of the job
     (collective: every rank calls it with the same ranks, in the same order)."""
@@ -239,8 +251,8 @@ def add_process_set(process_set: Any) -> ProcessSet:
     if not ps.ranks or ps.ranks[0] < 0 or ps.ranks[-1] >= j.size:
         raise ValueError(f"add_process_set: ranks {ps.ranks} must be ranks of this job "
                          f"(0..{j.size - 1})")
-    for sid, sc in j.sets.items():
-        if sid and _ranks_of(j, sid) == ps.ranks:
+    for sid, ranks in j.set_ranks.items():
+        if ranks == ps.ranks:
             raise ValueError(f"add_process_set: a process set with ranks {ps.ranks} is "
                              f"already registered (id {sid})")
 
@@ -252,19 +264,12 @@ def add_process_set(process_set: Any) -> ProcessSet:
         j.sets[sid] = None if sub is None else Scope(
             sub, Engine(sub, ps.ranks, j.threaded, j.lock, f"set{sid}"), list(ps.ranks),
             ps.ranks.index(j.rank), len(ps.ranks))
-        _SET_RANKS[sid] = list(ps.ranks)
+        j.set_ranks[sid] = list(ps.ranks)
         return sid
     name = f"add_process_set.{j.next_id}"
     req = Request("add_process_set", name, (tuple(ps.ranks),), ("ranks",), "", -1, register)
     ps.process_set_id = j.engine.synchronize(j.engine.submit(req))
     return ps
-
-
-_SET_RANKS: dict[int, list[int]] = {}
-
-
-def _ranks_of(j: Job, sid: int) -> list[int]:
-    return _SET_RANKS.get(sid, [])
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
@@ -277,7 +282,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
     def unregister():
         sc = j.sets.pop(sid)
-        _SET_RANKS.pop(sid, None)
+        j.set_ranks.pop(sid, None)
         if sc is not None:
             sc.engine.stop(removing=True)
             sc.comm.free()

@@ -327,20 +327,10 @@ def join():
     return _bridge.local("join", lambda: _core.job("join").engine.join(), tf.int32, "HorovodJoin")
 
 
-def _set_scope(process_set_id: int, op: str):
-    j = _core.job(op)
-    if process_set_id not in j.sets:
-        raise ValueError(f"{op}: process set {process_set_id} is not registered "
-                         "(hvd.add_process_set)")
-    sc = j.sets[process_set_id]
-    if sc is None:
-        raise ValueError(f"{op}: rank {j.rank} is not in process set {process_set_id}")
-    return sc
-
-
 def size_op(process_set_id=0, name=None):
-    """The number of ranks in the process set (a tensor)."""
-    return tf.constant(_set_scope(process_set_id, "size_op").size, tf.int32, name=name)
+    """The number of ranks in the process set (a tensor), on every rank, as Horovod's."""
+    return tf.constant(len(_core.process_set_ranks(process_set_id, "size_op")), tf.int32,
+                       name=name)
 
 
 def rank_op(name=None):
