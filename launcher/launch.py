@@ -208,6 +208,9 @@ def check_usage(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, e
     if opts.mca and not flavor.is_openmpi:
         raise UsageError("--mca is an Open MPI option; this mpirun is MPICH (Hydra)")
     _mpi_args(opts.mpi_args)
+    if opts.horovod and environ.get("PYTHONPATH") and not any(
+            item.startswith("PYTHONPATH=") for item in opts.env):  # goes on mpirun's command line
+        safe.plain_text(environ["PYTHONPATH"], "--horovod: this shell's PYTHONPATH")
     for flag, value in (("--log-dir", opts.log_dir), ("--nccl-debug", opts.nccl_debug)):
         if value is not None:
             safe.plain_text(value, flag)

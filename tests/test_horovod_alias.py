@@ -21,7 +21,7 @@ from dtrun.launcher import slurm
 from dtrun.launcher.flavors import MPICH, OPENMPI, Flavor
 from dtrun.launcher.hosts import resolve_hosts
 from dtrun.launcher.launch import HOROVOD_ALIAS, LaunchOptions, make_spec
-from tests.dtrun_helpers import PYTHON, dtrun, user_env
+from tests.dtrun_helpers import PYTHON, dtrun, one_line_error, user_env
 from tests.horovod_common import results
 
 ALIAS = HOROVOD_ALIAS
@@ -180,6 +180,19 @@ def test_dry_run_shows_the_pythonpath_and_why(tmp_path):
 
     p = dtrun(*base, env=dict(clean, PYTHONPATH="/opt/mine"))  # no flag: nothing added
     assert p.returncode == 0 and _pythonpath_lines(p.stdout) == []
+
+
+def test_a_shell_pythonpath_with_a_newline_is_refused_before_anything_runs():
+    # It would go on mpirun's command line after the alias folder: one line, exit 2.
+    base = ("--horovod", "--dry-run", "-np", 2, "-H", "localhost:2", "python", "train.py")
+    env = dict(user_env(), PYTHONPATH="/opt/mine\n-x EVIL=1")
+    one_line_error(dtrun(*base, env=env), "--horovod: this shell's PYTHONPATH",
+                   "contains a newline")
+    # -x PYTHONPATH=VALUE replaces the shell's: then the shell's is never sent
+    p = dtrun("-x", "PYTHONPATH=/x/y", *base, env=env)
+    assert p.returncode == 0, p.stderr
+    assert _pythonpath_lines(p.stdout) == [
+        f"-x PYTHONPATH={ALIAS}:/x/y # {WHY}; the value of -x PYTHONPATH kept after it"]
 
 
 OMPI5 = Flavor(OPENMPI, (5, 0, 11), "/venv/bin/mpirun", "/venv")
