@@ -1,4 +1,5 @@
 """Running the installed dtrun console script as users do, with a timeout."""
+import json
 import os
 import subprocess
 import sys
@@ -8,6 +9,19 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 DTRUN = str(BIN / "dtrun")
 PYTHON = str(BIN / "python")
+
+
+def result_records(text: str) -> list[dict]:
+    """Every ``RESULT {json}`` a rank printed, in output order. Two ranks' records can share
+    a line: with PYTHONUNBUFFERED=1, print() writes the text and its newline in two calls,
+    and the MPI launcher forwards whatever it has read in between."""
+    decoder = json.JSONDecoder()
+    found, at = [], text.find("RESULT {")
+    while at >= 0:
+        obj, end = decoder.raw_decode(text, at + len("RESULT "))
+        found.append(obj)
+        at = text.find("RESULT {", end)
+    return found
 
 
 def user_env(**extra):

@@ -5,10 +5,11 @@ name: a script's own folder is on its path), and the drivers' reading of their r
 
 from __future__ import annotations
 
-import json
 import sys
 
 import numpy as np
+
+from tests.dtrun_helpers import result_records
 
 from dtrun.collectives.horovod._core import Average, HorovodUnsupportedError, Max, Min, Product, Sum
 
@@ -57,8 +58,7 @@ def unsupported_messages(calls) -> dict:
 def results(proc, n: int) -> list[dict]:
     """The ``RESULT {json}`` line of each of ``n`` ranks, in rank order (the job must exit 0)."""
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    found = [json.loads(line[line.find("RESULT ") + 7:]) for line in proc.stdout.splitlines()
-             if "RESULT {" in line]
+    found = result_records(proc.stdout)
     assert len(found) == n, proc.stdout[-3000:]
     return sorted(found, key=lambda r: r["rank"])
 

@@ -7,7 +7,6 @@ The attack test needs root and a second uid (created as ``dtother``, uid 4242, w
 from __future__ import annotations
 
 import io
-import json
 import os
 import shutil
 import stat
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dtrun_helpers import REPO, dtrun, user_env
+from tests.dtrun_helpers import REPO, dtrun, result_records, user_env
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (collectives.dp needs it)")
 PYTHON = sys.executable
@@ -28,7 +27,7 @@ OTHER_UID = 4242
 
 
 def results(out: str) -> list[dict]:
-    found = [json.loads(line[line.find("RESULT ") + 7:]) for line in out.splitlines() if "RESULT {" in line]
+    found = result_records(out)
     return sorted(found, key=lambda r: r.get("rank", 0))
 
 

@@ -4,7 +4,6 @@ example. Skipped with the reason where PyTorch is not installed."""
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.dtrun_helpers import REPO, dtrun, user_env
+from tests.dtrun_helpers import REPO, dtrun, result_records, user_env
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (collectives.dp needs it)")
 PYTHON = sys.executable
@@ -28,8 +27,7 @@ def launch(n: int, *program: str, timeout: float = 180, env_vars: dict | None = 
 
 def results(proc) -> list[dict]:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    found = [json.loads(line[line.find("RESULT ") + 7:]) for line in proc.stdout.splitlines()
-             if "RESULT {" in line]
+    found = result_records(proc.stdout)
     return sorted(found, key=lambda r: r.get("rank", 0))
 
 

@@ -8,14 +8,12 @@ needs a GPU per rank) and the NCCL test of torch.distributed is skipped.
 """
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.dtrun_helpers import REPO, dtrun, user_env
+from tests.dtrun_helpers import REPO, dtrun, result_records, user_env
 
 pytestmark = pytest.mark.gpu
 PYTHON = sys.executable
@@ -35,7 +33,7 @@ def test_init_picks_cuda_device_of_local_rank(cuda_count):
             "'current': torch.cuda.current_device()}))")
     p = dtrun("-np", "2", "-H", "localhost:2", "--oversubscribe", PYTHON, "-c", code, timeout=180)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    res = sorted((json.loads(ln[ln.index("{"):]) for ln in p.stdout.splitlines() if "RESULT {" in ln),
+    res = sorted(result_records(p.stdout),
                  key=lambda r: r["rank"])
     for r in res:
         assert r["device"] == f"cuda:{r['rank'] % cuda_count}" and r["current"] == r["rank"] % cuda_count
@@ -65,6 +63,6 @@ def test_torch_distributed_nccl_under_dtrun(cuda_count):
     p = dtrun("-np", "2", "-H", "localhost:2", PYTHON, str(REPO / "tests" / "torchdist_env.py"),
               "nccl", timeout=180)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    res = [json.loads(ln[ln.index("{"):]) for ln in p.stdout.splitlines() if "RESULT {" in ln]
+    res = result_records(p.stdout)
     assert sorted(r["sum"] for r in res) == [3.0, 3.0]
     assert len({r["grad"] for r in res}) == 1

@@ -17,7 +17,7 @@ import tempfile
 
 import pytest
 
-from tests.dtrun_helpers import REPO, dtrun
+from tests.dtrun_helpers import REPO, dtrun, result_records
 
 PYTHON = sys.executable
 CASES = str(REPO / "tests" / "exchange_cases.py")
@@ -50,8 +50,7 @@ def _run(cluster, spec: str, mode: str, *env: str, timeout: float = 120):
 
 
 def _results(p) -> list[dict]:
-    found = [json.loads(line[line.find("RESULT ") + 7:]) for line in p.stdout.splitlines()
-             if "RESULT {" in line]
+    found = result_records(p.stdout)
     return sorted(found, key=lambda r: r["rank"])
 
 

@@ -5,7 +5,6 @@ rank program; the data-parallel layer over namespace hosts is in tests/test_dp.p
 
 from __future__ import annotations
 
-import json
 import re
 import socket
 import sys
@@ -15,7 +14,7 @@ import time
 import pytest
 
 from dtrun.collectives import streamring
-from tests.dtrun_helpers import REPO, dtrun
+from tests.dtrun_helpers import REPO, dtrun, result_records
 
 PYTHON = sys.executable
 CASES = str(REPO / "tests" / "ring_cases.py")
@@ -26,8 +25,7 @@ def _results(n: int, mode: str, *forward: str) -> list[dict]:
     p = dtrun("-np", n, "-H", f"localhost:{n}", "--oversubscribe", *forwards, PYTHON, CASES,
               mode, timeout=120)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    found = [json.loads(line[line.find("RESULT ") + 7:]) for line in p.stdout.splitlines()
-             if "RESULT {" in line]
+    found = result_records(p.stdout)
     return sorted(found, key=lambda r: r["rank"])
 
 

@@ -3,7 +3,6 @@ the variables dtrun exports, how MASTER_ADDR/MASTER_PORT are chosen, GPU pinning
 real gloo jobs on this machine and across namespace hosts."""
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -12,7 +11,7 @@ from dtrun.launcher.remote import rankexec
 from dtrun.launcher.errors import UsageError
 from dtrun.launcher.hostfile import HostSlots
 from dtrun.launcher.rendezvous import REMOTE_PORT_RANGE, choose, master_addr, remote_port
-from tests.dtrun_helpers import PYTHON, REPO, dtrun
+from tests.dtrun_helpers import PYTHON, REPO, dtrun, result_records
 
 SCRIPT = str(REPO / "tests" / "torchdist_env.py")
 
@@ -23,7 +22,7 @@ def hs(*names):
 
 def results(proc):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    found = [json.loads(line[line.find("RESULT ") + 7:]) for line in proc.stdout.splitlines() if "RESULT {" in line]
+    found = result_records(proc.stdout)
     return sorted(found, key=lambda r: r["rank"])
 
 
