@@ -189,6 +189,11 @@ def ssh_config_word(value: str, what: str) -> str:
     return value
 
 
+def is_mca_word(value: str) -> bool:
+    """Whether ``value`` passes ``mca_word``."""
+    return bool(_MCA_WORD.fullmatch(value))
+
+
 def mca_word(value: str, what: str) -> str:
     """One word inside an MCA value that Open MPI splits on spaces itself (``plm_ssh_args``)."""
     if not _MCA_WORD.fullmatch(value):

@@ -180,6 +180,7 @@ def openmpi_env(spec: LaunchSpec, flavor: Flavor) -> list[tuple[str, str, str]]:
     osc = cmd.osc_setting(spec, flavor)
     if osc:
         out.append(("OMPI_MCA_osc", *osc))
+    out += [(f"OMPI_MCA_{name}", value, why) for name, value, why in cmd.coll_settings(spec, flavor)]
     if not spec.local_only:
         if spec.include_iface:
             val = ",".join(spec.include_iface)

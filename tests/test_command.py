@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from dtrun.launcher.remote import rankexec
-from dtrun.launcher.command import LaunchSpec, build_command, format_dry_run, build_groups, redact_args
+from dtrun.launcher.command import COLL_RULES, LaunchSpec, build_command, format_dry_run, build_groups, redact_args
 from dtrun.launcher.errors import ExitCode, MpiFlavorError, UsageError
 from dtrun.launcher.flavors import MPICH, OPENMPI, Flavor, parse_version_output
 from dtrun.launcher.hostfile import parse_host_list
@@ -20,6 +20,7 @@ OMPI4 = Flavor(OPENMPI, (4, 1, 4), "/usr/bin/mpirun", "/usr")
 OMPI5 = Flavor(OPENMPI, (5, 0, 11), "/venv/bin/mpirun", "/venv")
 HYDRA = Flavor(MPICH, (4, 0, 2), "/usr/bin/mpiexec.hydra", "/usr")
 W = ("/venv/bin/python3", "-S", "/src/launcher/rankexec.py", "--")
+COLL = f"--mca coll_tuned_use_dynamic_rules 1 --mca coll_tuned_dynamic_rules_filename {COLL_RULES}"
 
 
 def spec(**kw):
@@ -36,7 +37,8 @@ def line(args):
 def test_openmpi5_golden():
     assert line(build_command(spec(), OMPI5)) == (
         "/venv/bin/mpirun -np 8 -H s1:4,s2:4 --prefix /venv --bind-to none --map-by slot "
-        "--mca pml ob1 --mca btl self,sm,tcp --mca osc '^ucx' --mca btl_tcp_if_exclude lo,docker0 --output tag "
+        f"--mca pml ob1 --mca btl self,sm,tcp {COLL} --mca osc '^ucx' --mca btl_tcp_if_exclude lo,docker0 "
+        "--output tag "
         "-x PATH -x LD_LIBRARY_PATH -x 'NCCL_SOCKET_IFNAME=^lo,docker0' -x DTRUN_MARKER_TOKEN "
         "/venv/bin/python3 -S /src/launcher/rankexec.py -- python train.py --lr 0.1")
 
@@ -44,7 +46,7 @@ def test_openmpi5_golden():
 def test_openmpi4_golden():
     assert line(build_command(spec(oversubscribe=True, as_root=True), OMPI4)) == (
         "/usr/bin/mpirun -np 8 -H s1:4,s2:4 --prefix /usr --allow-run-as-root --bind-to none --map-by slot "
-        "--oversubscribe --mca pml ob1 --mca btl self,vader,tcp --mca btl_tcp_if_exclude lo,docker0 "
+        f"--oversubscribe --mca pml ob1 --mca btl self,vader,tcp {COLL} --mca btl_tcp_if_exclude lo,docker0 "
         "--mca oob_tcp_if_exclude lo,docker0 --tag-output "
         "-x PATH -x LD_LIBRARY_PATH -x 'NCCL_SOCKET_IFNAME=^lo,docker0' -x DTRUN_MARKER_TOKEN "
         "/venv/bin/python3 -S /src/launcher/rankexec.py -- python train.py --lr 0.1")
@@ -81,6 +83,23 @@ def test_local_only_skips_interface_and_prefix_flags():
     text = line(build_command(spec(hosts=tuple(parse_host_list("localhost:2")), np=2, local_only=True, tag_output=False), OMPI5))
     assert "if_exclude" not in text and "NCCL_SOCKET_IFNAME" not in text and "--prefix" not in text
     assert "--output tag" not in text
+
+
+def test_allreduce_rules_across_hosts_only_for_open_mpi_and_never_over_the_users():
+    text = format_dry_run(build_groups(spec(), OMPI5))
+    rules = next(ln for ln in text.splitlines() if "coll_tuned_dynamic_rules_filename" in ln)
+    assert "allreduce of 1 MiB or more on 3 ranks or more as a ring" in rules and COLL_RULES in rules
+    assert COLL in line(build_command(spec(), OMPI4))
+    local = spec(hosts=tuple(parse_host_list("localhost:2")), np=2, local_only=True)
+    for quiet in (line(build_command(local, OMPI5)), line(build_command(spec(), HYDRA))):
+        assert "coll_tuned" not in quiet
+    # the user's own coll/tuned choice, however given, is the only one on the line
+    for own in (dict(mca=(("coll_tuned_allreduce_algorithm", "3"),)),
+                dict(env=("OMPI_MCA_coll_tuned_use_dynamic_rules=0",)),
+                dict(env_names_set=frozenset({"OMPI_MCA_coll_tuned_dynamic_rules_filename"})),
+                dict(mpi_args=("--mca", "coll_tuned_allreduce_algorithm", "2"))):
+        text = line(build_command(spec(**own), OMPI5))
+        assert COLL_RULES not in text, own
 
 
 def test_oversubscribe_spelling_per_version():

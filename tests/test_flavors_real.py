@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from dtrun.launcher import command as cmd
 from tests import nscluster
 from tests.cluster_plugin import skip_if_unavailable
 from tests.dtrun_helpers import BIN, DTRUN, REPO, dtrun, processes_with, user_env, wait_for_lines, wait_until_empty
@@ -199,6 +200,47 @@ def test_three_docker0_hosts_c_and_mpi4py(flavor, docker0_cluster):
     assert "dtrun-rank" not in p.stdout + p.stderr  # every wrapper marker was recognised and removed
 
 
+# Open MPI's allreduce rules between hosts (launcher/remote/ompi_coll_rules.conf): a rank
+# allreduces 80 bytes and 2.4 MB (below and above the rules' 1 MiB) with errors returned,
+# and says where its rules came from.
+RULES_PROGRAM = (
+    "import os\nimport numpy as np\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
+    "c.Set_errhandler(MPI.ERRORS_RETURN)\nout = []\n"
+    "for n in (10, 300000):\n"
+    "    x = np.full(n, c.rank + 1.0)\n"
+    "    try:\n"
+    "        c.Allreduce(MPI.IN_PLACE, x)\n"
+    "        out.append('ok' if (x == c.size * (c.size + 1) / 2).all() else 'WRONG')\n"
+    "    except MPI.Exception:\n"
+    "        out.append('refused')\n"
+    "f = os.environ.get('OMPI_MCA_coll_tuned_dynamic_rules_filename')\n"
+    "line = ' '.join(map(str, ('RULES', c.rank, *out, f, f is not None and os.path.isfile(f))))\n"
+    "os.write(1, (line + '\\n').encode())\n")  # one write: a line of its own in any output
+
+
+def _rules_rows(stdout):
+    return sorted(re.findall(r"RULES (\d+) (\w+) (\w+) (\S+) (\w+)", stdout))
+
+
+def test_open_mpi_reads_the_rules_file_as_written(flavor, tmp_path):
+    """Both Open MPIs parse the shipped file (comments included) into one rule from 1 MiB on
+    3 ranks: the same file with that rule's algorithm made invalid refuses the 2.4 MB
+    allreduce and still runs the 80-byte one (Open MPI ignores a file it cannot read)."""
+    if flavor.name == "mpich":
+        pytest.skip("coll/tuned rules are Open MPI's")
+    text = Path(cmd.COLL_RULES).read_text()
+    assert text.count("\n1048576 4 0 0 ") == 1
+    broken = tmp_path / "rules.conf"
+    broken.write_text(text.replace("\n1048576 4 0 0 ", "\n1048576 99 0 0 "))
+    base = (*flavor.mpirun_args, "-np", "3", "-H", "localhost:3", "--oversubscribe",
+            "--mca", "coll_tuned_use_dynamic_rules", "1")
+    for rules, big in ((cmd.COLL_RULES, "ok"), (str(broken), "refused")):
+        p = dtrun(*base, "--mca", "coll_tuned_dynamic_rules_filename", rules, "python", "-c", RULES_PROGRAM,
+                  timeout=90)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert [r[1:3] for r in _rules_rows(p.stdout)] == [("ok", big)] * 3, p.stdout
+
+
 @pytest.mark.cluster
 def test_three_docker0_hosts_forward_the_last_variable_of_the_environment(flavor, docker0_cluster):
     # MPICH 4.0's Hydra drops the last variable of mpiexec's environment when it forwards
@@ -213,6 +255,21 @@ def test_three_docker0_hosts_forward_the_last_variable_of_the_environment(flavor
     assert p.returncode == 0, p.stderr
     assert p.stdout.split("\n").count("LAST arrived") == 3, p.stdout
     assert "dtrun-rank" not in p.stdout + p.stderr
+
+
+@pytest.mark.cluster
+def test_three_docker0_hosts_get_the_allreduce_rules(flavor, docker0_cluster):
+    """Across hosts dtrun gives Open MPI its allreduce rules; every rank finds the file on
+    its own host and both sides of the rules' threshold sum right. MPICH gets none."""
+    c = docker0_cluster
+    p = dtrun("--ssh-config", c.ssh_config, "-H", ",".join(f"{h.name}:1" for h in c.hosts), "--no-tag-output",
+              *flavor.mpirun_args, "python", "-c", RULES_PROGRAM, timeout=90)
+    assert p.returncode == 0, p.stderr[-3000:]
+    if flavor.name == "mpich":
+        want = ("ok", "ok", "None", "False")
+    else:
+        want = ("ok", "ok", cmd.COLL_RULES, "True")
+    assert [r[1:] for r in _rules_rows(p.stdout)] == [want] * 3, p.stdout
 
 
 @pytest.mark.cluster

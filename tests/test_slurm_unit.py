@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from dtrun.launcher import allocwatch, slurm
+from dtrun.launcher import command as cmd
 from dtrun.launcher.errors import UsageError
 from dtrun.launcher.flavors import MPICH, OPENMPI, Flavor
 from dtrun.launcher.hosts import resolve_hosts
@@ -90,6 +91,8 @@ def test_srun_command_for_open_mpi_5():
             for a in g.args]
     wrapper = list(spec.rank_wrapper)
     assert argv == ["env", "OMPI_MCA_pml=ob1", "OMPI_MCA_btl=self,sm,tcp", "OMPI_MCA_osc=^ucx",
+                    "OMPI_MCA_coll_tuned_use_dynamic_rules=1",
+                    f"OMPI_MCA_coll_tuned_dynamic_rules_filename={cmd.COLL_RULES}",
                     "OMPI_MCA_btl_tcp_if_exclude=lo,docker0", "SLURM_PMIX_FENCE=ring",
                     "NCCL_SOCKET_IFNAME=^lo,docker0", "MASTER_ADDR=n1", f"MASTER_PORT={spec.master_port}",
                     "TOKEN=s3cret", "/usr/bin/srun", "--ntasks=3", "--nodes=2", "--nodelist=n1,n2", "--mpi=pmix",
