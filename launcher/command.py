@@ -253,7 +253,7 @@ def coll_groups(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
     if not picked:
         return []
     args = tuple(a for name, value, _ in picked for a in ("--mca", name, value))
-    return [ArgGroup(args, f"{picked[0][2]} (rules: {COLL_RULES})")]
+    return [ArgGroup(args, picked[0][2])]
 
 
 def transports(spec: LaunchSpec, flavor: Flavor) -> list[tuple[str, str, str]]:
