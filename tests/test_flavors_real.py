@@ -251,9 +251,11 @@ def test_three_docker0_hosts_forward_the_last_variable_of_the_environment(flavor
     env["LAST_ONE"] = "arrived"
     p = dtrun("--ssh-config", c.ssh_config, "-H", ",".join(f"{h.name}:1" for h in c.hosts), "--no-tag-output",
               *flavor.mpirun_args, "-x", "LAST_ONE", "python", "-c",
-              "import os; print('LAST', os.environ.get('LAST_ONE'), flush=True)", env=env, timeout=90)
+              # one write per line: under PYTHONUNBUFFERED=1 print() writes each piece apart, and
+              # the launcher may put another host's output between them
+              "import os; os.write(1, f\"LAST {os.environ.get('LAST_ONE')}\\n\".encode())", env=env, timeout=90)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.split("\n").count("LAST arrived") == 3, p.stdout
+    assert re.findall(r"LAST \S+", p.stdout) == ["LAST arrived"] * 3, p.stdout
     assert "dtrun-rank" not in p.stdout + p.stderr
 
 
