@@ -231,8 +231,21 @@ def osc_setting(spec: LaunchSpec, flavor: Flavor) -> Optional[tuple[str, str]]:
 COLL_RULES = str(Path(__file__).parent / "remote" / "ompi_coll_rules.conf")
 COLL_WHY = ("allreduce of 1 MiB or more on 3 ranks or more as a ring: Open MPI's own choice sent 3.7x "
             "the bytes' time on a 3-host link, the ring 1.3x; smaller ones keep Open MPI's choice")
-_COLL_KEYS = ("coll_tuned_use_dynamic_rules", "coll_tuned_dynamic_rules_filename",
-              "coll_tuned_allreduce_algorithm")
+_COLL_PREFIX = "coll_tuned_"
+
+
+def _users_coll_tuned(spec: LaunchSpec) -> bool:
+    """Whether the user sets any coll/tuned parameter (--mca, -x OMPI_MCA_..., the environment,
+    --mpi-args): dtrun's rules would turn on, or outrank, a forced algorithm of theirs."""
+    env = f"OMPI_MCA_{_COLL_PREFIX}"
+    if any(k.startswith(_COLL_PREFIX) for k, _ in spec.mca):
+        return True
+    if any(parse_env_item(item)[0].startswith(env) for item in spec.env):
+        return True
+    if any(name.startswith(env) for name in spec.env_names_set):
+        return True
+    args = list(spec.mpi_args)
+    return any(a in _MCA_FLAGS and b.startswith(_COLL_PREFIX) for a, b in zip(args, args[1:]))
 
 
 def coll_settings(spec: LaunchSpec, flavor: Flavor) -> list[tuple[str, str, str]]:
@@ -240,7 +253,7 @@ def coll_settings(spec: LaunchSpec, flavor: Flavor) -> list[tuple[str, str, str]
     one machine (shared memory), and never over a coll/tuned setting of the user's."""
     if not flavor.is_openmpi or spec.local_only:
         return []
-    if any(_user_mca(spec, k) is not None for k in _COLL_KEYS):
+    if _users_coll_tuned(spec):
         return []
     if not safe.is_mca_word(COLL_RULES):
         return []  # an install path Open MPI could split: its own choice stays

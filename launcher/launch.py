@@ -226,6 +226,7 @@ def check_usage(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, e
 # The variables of dtrun's environment whose presence the command depends on (LaunchSpec.env_names_set).
 _ENV_NAMES_NOTED = ("LD_LIBRARY_PATH", "NCCL_SOCKET_IFNAME", "OMPI_MCA_osc", "OMPI_MCA_pml", "OMPI_MCA_btl",
                     "SLURM_PMIX_FENCE")
+_ENV_PREFIXES_NOTED = ("OMPI_MCA_coll_tuned_",)  # any coll/tuned setting of the user's keeps dtrun's rules off
 
 
 def _launcher_address(flavor: Flavor, selection: HostSelection, include: tuple, local: LocalFacts) -> Optional[str]:
@@ -273,7 +274,8 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, env
         iface_reason=reason,
         local_only=local_only,
         env=tuple(opts.env),
-        env_names_set=frozenset(k for k in _ENV_NAMES_NOTED if environ.get(k)),
+        env_names_set=frozenset(k for k in environ
+                                if environ.get(k) and (k in _ENV_NAMES_NOTED or k.startswith(_ENV_PREFIXES_NOTED))),
         mca=tuple(opts.mca),
         mpi_args=mpi_args,
         tag_output=tag,

@@ -97,7 +97,9 @@ def test_allreduce_rules_across_hosts_only_for_open_mpi_and_never_over_the_users
     for own in (dict(mca=(("coll_tuned_allreduce_algorithm", "3"),)),
                 dict(env=("OMPI_MCA_coll_tuned_use_dynamic_rules=0",)),
                 dict(env_names_set=frozenset({"OMPI_MCA_coll_tuned_dynamic_rules_filename"})),
-                dict(mpi_args=("--mca", "coll_tuned_allreduce_algorithm", "2"))):
+                dict(mpi_args=("--mca", "coll_tuned_allreduce_algorithm", "2")),
+                dict(mca=(("coll_tuned_bcast_algorithm", "3"),)),  # inert alone; dtrun's rules would wake it
+                dict(env_names_set=frozenset({"OMPI_MCA_coll_tuned_bcast_algorithm"}))):
         text = line(build_command(spec(**own), OMPI5))
         assert COLL_RULES not in text, own
 
@@ -513,3 +515,12 @@ def test_users_own_pml_or_btl_replaces_dtruns_and_is_given_once():
         pairs = [(argv[i + 1], argv[i + 2]) for i, a in enumerate(argv) if a == "--mca"]
         assert [v for k, v in pairs if k == "pml"] == ["ucx"], argv
         assert [k for k, v in pairs if k == "btl"] == ["btl"]
+
+
+def test_a_coll_tuned_variable_in_the_shell_keeps_the_allreduce_rules_off():
+    from tests.dtrun_helpers import dtrun, user_env
+
+    argv = ("--dry-run", "--no-preflight", "-np", "2", "-H", "server1:1,server2:1", "python", "x.py")
+    assert COLL_RULES in dtrun(*argv, timeout=60).stdout
+    p = dtrun(*argv, timeout=60, env=user_env(OMPI_MCA_coll_tuned_bcast_algorithm="3"))
+    assert p.returncode == 0 and "mpirun_cmd=(" in p.stdout and "coll_tuned" not in p.stdout, p.stdout + p.stderr
