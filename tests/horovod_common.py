@@ -9,8 +9,6 @@ import sys
 
 import numpy as np
 
-from tests.dtrun_helpers import result_records
-
 from dtrun.collectives.horovod._core import Average, HorovodUnsupportedError, Max, Min, Product, Sum
 
 TOL = {"float16": 1e-2, "bfloat16": 2e-2, "float32": 1e-6, "float64": 1e-12}
@@ -58,6 +56,8 @@ def unsupported_messages(calls) -> dict:
 def results(proc, n: int) -> list[dict]:
     """The ``RESULT {json}`` line of each of ``n`` ranks, in rank order (the job must exit 0)."""
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from tests.dtrun_helpers import result_records  # the drivers' side only: ranks import this file by its bare name
+
     found = result_records(proc.stdout)
     assert len(found) == n, proc.stdout[-3000:]
     return sorted(found, key=lambda r: r["rank"])
