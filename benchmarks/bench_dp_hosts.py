@@ -3,10 +3,10 @@ link's bound.
 
 Needs root: ``tests.nscluster`` builds namespace hosts on this machine, and every host's
 ``eth0`` is shaped with ``tc qdisc replace dev eth0 root tbf rate RATE burst 256kbit
-latency 50ms`` (what leaves each host goes at RATE: 500 Mbit/s by default, where this
-machine's cores have room and the link sets the pace; ``--rate 2gbit`` is the CPU-bound
-reference, where the simulated links' packet work saturates the two cores). Without root it prints why and
-exits 0. The model is bench_ddp.py's MLP (3.4 M parameters, 13.7 MB of float32
+latency 50ms`` (what leaves each host goes at RATE: 500 Mbit/s by default, where on 2
+hosts the link sets the pace; ``--rate 2gbit`` is the CPU-bound reference, where the
+simulated links' packet work saturates this machine's two cores). Without root it prints
+why and exits 0. The model is bench_ddp.py's MLP (3.4 M parameters, 13.7 MB of float32
 gradients), batch 32 per rank, one compute thread per rank. Layouts:
 
 * 2 hosts x 1 rank, 3 hosts x 1 rank, 2 hosts x 2 ranks (shared memory inside a host,
@@ -20,8 +20,8 @@ gradients), batch 32 per rank, one compute thread per rank. Layouts:
   engine runs, ``hvd`` (collectives.horovod.torch's DistributedOptimizer) against ``dp``;
 * in the same job, bare transfers of the whole gradient (13.7 MB, float32), to show
   what the link itself gives: raw MPI's allreduce, gloo's (torch.distributed) and the
-  runtime's, in place and out of place, over all ranks; and over one rank per host, the ring's allreduce, and the exchange the bound
-  counts with no arithmetic at all (each host sends 2(n-1)/n of the gradient to the next
+  runtime's, in place and out of place, over all ranks; and over one rank per host, the
+  ring's allreduce, and the exchange the bound counts with no arithmetic at all (each host sends 2(n-1)/n of the gradient to the next
   host with MPI_Sendrecv while it receives as much from the previous one).
 
 Each variant's row also gives the share of this machine's CPU time that was busy while it
