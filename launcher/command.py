@@ -195,25 +195,30 @@ def iface_groups_openmpi(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
 OSC_WHY = ("MPI windows through osc/rdma and osc/sm: beside pml ob1, osc/ucx prints 'OSC UCX component priority "
            "set inside component query failed' at every window")
 _MCA_FLAGS = ("--mca", "-mca", "--omca", "-omca", "--gmca", "-gmca")
+_ENV_MCA = "OMPI_MCA_"
+
+
+def _user_mca_settings(spec: LaunchSpec):
+    """Every MCA parameter the user sets, as (name, value), in the order of precedence that
+    ``_user_mca`` reads: --mca, -x OMPI_MCA_NAME, the environment, --mpi-args."""
+    for k, v in spec.mca:
+        yield k, v
+    for item in spec.env:
+        name, value = parse_env_item(item)
+        if name.startswith(_ENV_MCA):
+            yield name[len(_ENV_MCA):], value if value is not None else "(forwarded)"
+    for name in sorted(spec.env_names_set):
+        if name.startswith(_ENV_MCA):
+            yield name[len(_ENV_MCA):], "(from the environment)"
+    args = list(spec.mpi_args)
+    for i, a in enumerate(args[:-1]):
+        if a in _MCA_FLAGS:
+            yield args[i + 1], args[i + 2] if i + 2 < len(args) else ""
 
 
 def _user_mca(spec: LaunchSpec, key: str) -> Optional[str]:
     """The user's own value for MCA parameter ``key`` (--mca, -x OMPI_MCA_KEY, the environment, --mpi-args)."""
-    for k, v in spec.mca:
-        if k == key:
-            return v
-    env = f"OMPI_MCA_{key}"
-    for item in spec.env:
-        name, value = parse_env_item(item)
-        if name == env:
-            return value if value is not None else "(forwarded)"
-    if env in spec.env_names_set:
-        return "(from the environment)"
-    args = list(spec.mpi_args)
-    for i, a in enumerate(args[:-1]):
-        if a in _MCA_FLAGS and args[i + 1] == key:
-            return args[i + 2] if i + 2 < len(args) else ""
-    return None
+    return next((v for k, v in _user_mca_settings(spec) if k == key), None)
 
 
 def osc_setting(spec: LaunchSpec, flavor: Flavor) -> Optional[tuple[str, str]]:
@@ -235,17 +240,9 @@ _COLL_PREFIX = "coll_tuned_"
 
 
 def _users_coll_tuned(spec: LaunchSpec) -> bool:
-    """Whether the user sets any coll/tuned parameter (--mca, -x OMPI_MCA_..., the environment,
-    --mpi-args): dtrun's rules would turn on, or outrank, a forced algorithm of theirs."""
-    env = f"OMPI_MCA_{_COLL_PREFIX}"
-    if any(k.startswith(_COLL_PREFIX) for k, _ in spec.mca):
-        return True
-    if any(parse_env_item(item)[0].startswith(env) for item in spec.env):
-        return True
-    if any(name.startswith(env) for name in spec.env_names_set):
-        return True
-    args = list(spec.mpi_args)
-    return any(a in _MCA_FLAGS and b.startswith(_COLL_PREFIX) for a, b in zip(args, args[1:]))
+    """Whether the user sets any coll/tuned parameter: dtrun's rules would turn on, or
+    outrank, a forced algorithm of theirs."""
+    return any(k.startswith(_COLL_PREFIX) for k, _ in _user_mca_settings(spec))
 
 
 def coll_settings(spec: LaunchSpec, flavor: Flavor) -> list[tuple[str, str, str]]:
@@ -261,12 +258,16 @@ def coll_settings(spec: LaunchSpec, flavor: Flavor) -> list[tuple[str, str, str]
             ("coll_tuned_dynamic_rules_filename", COLL_RULES, "the rules file, in dtrun's install on every host")]
 
 
-def coll_groups(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
-    picked = coll_settings(spec, flavor)
+def _mca_group(picked: list[tuple[str, str, str]], why: str) -> list[ArgGroup]:
+    """(name, value, why) settings as one group of --mca pairs, or none."""
     if not picked:
         return []
-    args = tuple(a for name, value, _ in picked for a in ("--mca", name, value))
-    return [ArgGroup(args, picked[0][2])]
+    return [ArgGroup(tuple(a for name, value, _ in picked for a in ("--mca", name, value)), why)]
+
+
+def coll_groups(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
+    picked = coll_settings(spec, flavor)
+    return _mca_group(picked, picked[0][2] if picked else "")
 
 
 def transports(spec: LaunchSpec, flavor: Flavor) -> list[tuple[str, str, str]]:
@@ -286,10 +287,7 @@ def transports(spec: LaunchSpec, flavor: Flavor) -> list[tuple[str, str, str]]:
 
 def transport_groups(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
     picked = transports(spec, flavor)
-    if not picked:
-        return []
-    args = tuple(a for name, value, _ in picked for a in ("--mca", name, value))
-    return [ArgGroup(args, "; ".join(why for _, _, why in picked))]
+    return _mca_group(picked, "; ".join(why for _, _, why in picked))
 
 
 def build_groups(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
