@@ -524,3 +524,12 @@ def test_a_coll_tuned_variable_in_the_shell_keeps_the_allreduce_rules_off():
     assert COLL_RULES in dtrun(*argv, timeout=60).stdout
     p = dtrun(*argv, timeout=60, env=user_env(OMPI_MCA_coll_tuned_bcast_algorithm="3"))
     assert p.returncode == 0 and "mpirun_cmd=(" in p.stdout and "coll_tuned" not in p.stdout, p.stdout + p.stderr
+
+
+def test_allreduce_rules_left_out_where_the_install_path_is_not_one_word(monkeypatch):
+    # Open MPI splits some MCA values on spaces itself: a path it could split is never passed.
+    from dtrun.launcher import command
+
+    monkeypatch.setattr(command, "COLL_RULES", "/opt/my dtrun/launcher/remote/ompi_coll_rules.conf")
+    text = line(build_command(spec(), OMPI5))
+    assert "coll_tuned" not in text and "--mca pml ob1" in text
