@@ -101,7 +101,7 @@ def test_the_listener_admits_only_the_token_and_rank_it_expects():
     token = b"k" * 16
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
-    listener.listen(4)
+    listener.listen(64)  # as streamring._listen: 11 connections must not overflow the queue
     port = listener.getsockname()[1]
     box: dict = {}
     t = threading.Thread(target=streamring._accept, args=(listener, token, 3, box))
