@@ -29,8 +29,9 @@ class Monitor:
     """One per job: SIGQUIT → report; with ``hang_timeout`` also the watchdog."""
 
     def __init__(self, job: JobInfo, hang_timeout: Optional[float] = None, on_hang: str = "report",
-                 stacks_timeout: float = 5.0, out: Callable[[str], None] = None):
+                 stacks_timeout: float = 5.0, out: Callable[[str], None] = None, reap_daemons: bool = False):
         self.job = job
+        self.reap_daemons = reap_daemons  # Open MPI 5 over ssh: end its stuck daemons after every job
         self.hang_timeout = hang_timeout
         self.on_hang = on_hang
         self.nspace = ""  # the job's Open MPI 5 PMIx namespace, once it runs (on_start)
@@ -115,10 +116,15 @@ class Monitor:
 
     def on_end(self, result) -> None:
         self.stop()
-        if result.returncode != 0 and result.launcher != "srun" and result.stop is None:
+        if result.launcher == "srun" or result.stop is not None:
+            return  # a job dtrun stopped gets kill_leftovers, which tidies too; under srun ssh may be blocked
+        if self.reap_daemons:
+            # Open MPI 5: a prted that PMIx deadlocked in its finalize outlives mpirun, ended
+            # or failed, and nothing else ends it. The agent's kill tidies too.
+            self.reap_remote_daemons()
+        elif result.returncode != 0:
             # A failed rank's peers can be SIGKILLed by MPI before their wrappers tidy up; on a
-            # host without a shared file system their files would stay. (A job dtrun stopped
-            # gets kill_leftovers, which tidies too; under srun ssh may be blocked.)
+            # host without a shared file system their files would stay.
             self.tidy_remote_hosts()
 
     # -- progress
@@ -206,6 +212,12 @@ class Monitor:
         from dtrun.launcher.job.kill import kill_leftovers
 
         kill_leftovers(self.job, self.nspace, budget)
+
+    def reap_remote_daemons(self, budget: float = 3.0) -> None:
+        """After the job ended by itself: end its daemons still alive on the other hosts."""
+        from dtrun.launcher.job.kill import reap_remote_daemons
+
+        reap_remote_daemons(self.job, self.nspace, budget)
 
     def tidy_remote_hosts(self, budget: float = 3.0) -> None:
         """Remove what the job's ended ranks left on the other hosts (launcher/job/kill.py)."""

@@ -607,7 +607,7 @@ def _observers(opts: LaunchOptions, prepared: PreparedLaunch, job_dir: Optional[
     spec = prepared.spec
     job = jobstate.write(job_dir, [h.host for h in prepared.selection.hosts], spec.np, spec.ssh_config, spec.log_dir,
                          prepared.flavor.label, spec.program)
-    monitor = Monitor(job, opts.hang_timeout, opts.on_hang)
+    monitor = Monitor(job, opts.hang_timeout, opts.on_hang, reap_daemons=sweep)
     return observers + (StragglerWatch(job, table=live_table if opts.top else None),), monitor  # the straggler finding at the end
 
 
@@ -641,10 +641,11 @@ def _ended_by_slurm(prepared: PreparedLaunch, result, attempt) -> bool:
     ended = ended_state(allocation.job_id) if allocation and not result.interrupted else None
     if not ended:
         return False
-    # Slurm stopped the ranks: that, not the first rank it killed, is the cause. Open MPI 5's
-    # mpirun can exit 0 when scancel killed its daemons' step; a killed job never exits 0.
+    # Slurm stopped the ranks: that, not the first rank it killed, is the cause, and the code
+    # is SIGTERM's, as Slurm stops jobs. What mpirun itself returns then is happenstance: 0
+    # (Open MPI 5, when scancel killed its daemons' step), 1 (it lost a daemon first) or 143.
     print(ended_message(allocation.job_id, ended, "the job was stopped"), file=sys.stderr)
-    attempt.code, attempt.ended = result.returncode or signal_exit_code(signal.SIGTERM), True
+    attempt.code, attempt.ended = signal_exit_code(signal.SIGTERM), True
     return True
 
 

@@ -66,6 +66,19 @@ def kill_leftovers(job, nspace: str = "", budget: float = 5.0) -> None:
     run_host_agents(job, "kill", dict.fromkeys(job.hosts), budget, (nspace,) if nspace else ())
 
 
+def reap_remote_daemons(job, nspace: str, budget: float = 3.0) -> None:
+    """After an Open MPI 5 job ended by itself: on every other host at once, have the agent
+    SIGKILL what is left of it. PMIx 5 can deadlock a prted in its own finalize after mpirun
+    has gone (both of its threads waiting on each other: seen about once in 50 jobs with a
+    failing rank on a loaded machine); nothing else would ever end it. The agent finds such a
+    daemon by ``nspace`` (this job's, and mpirun has ended: no other job's) and the user's uid."""
+    from dtrun.launcher.hosts import is_local
+
+    hosts = [h for h in dict.fromkeys(job.hosts) if not is_local(h)]
+    if hosts and nspace:
+        run_host_agents(job, "kill", hosts, budget, (nspace,))
+
+
 def tidy_remote_hosts(job, budget: float = 3.0) -> None:
     """On every other host at once, remove what the job's ended ranks left in the job
     directory there (the agent's ``tidy``); dtrun removes its own host's directory."""

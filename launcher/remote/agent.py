@@ -228,6 +228,35 @@ def _proven_daemons(job_dir, ranks, nspace, host):
     return found, refused
 
 
+def _nspace_daemons(nspace):
+    """This user's Open MPI 5 daemons of the job whose PMIx namespace is ``nspace``, found in
+    /proc: those no rank wrapper recorded (the wrapper's record is gone once the host's last
+    rank ends, yet PMIx 5 can deadlock a prted in its own finalize after that, alive for good).
+    Only a process whose name is a daemon's, owned by the user the agent runs as, with
+    ``ess_base_nspace NSPACE`` on its command line (rankstate.started_by); dtrun passes the
+    namespace after that job's mpirun has ended or been stopped."""
+    if not nspace:
+        return []
+    me, found = os.getuid(), []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return found
+    for name in names:
+        if not name.isdigit() or procfs.valid_pid(int(name)) is None or int(name) == os.getpid():
+            continue
+        pid = int(name)
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != me:
+                continue
+        except OSError:
+            continue
+        info = procfs.proc_start(pid)
+        if info is not None and info[0] in rankstate.DAEMON_NAMES and rankstate.started_by(pid, nspace):
+            found.append(pid)
+    return found
+
+
 def kill(job_dir, nspace=""):
     """SIGKILL this host's ranks of the job, then the MPI daemons that started them and are
     still the same processes (an MPI daemon can outlive an mpirun that was killed).
@@ -237,12 +266,14 @@ def kill(job_dir, nspace=""):
     has no job variable in its environment: it is proven as the parent of a proven rank
     wrapper (looked at before any rank is killed), by the job's variable where it has it, or
     (Open MPI 5) by ``nspace``, the job's PMIx namespace that dtrun passes on the command line:
-    a daemon whose ranks have already ended has no rank left to prove it.
+    a daemon whose ranks have already ended has no rank left to prove it, and one whose
+    record is gone (the host's last rank removed it) is found by that namespace in /proc.
     Everything is proven first, then killed; pids are not re-read in between.
     """
     host = socket.gethostname()
     ranks, refused = _proven_ranks(job_dir)
     found, refused_daemons = _proven_daemons(job_dir, ranks, nspace, host)
+    found += [pid for pid in _nspace_daemons(nspace) if pid not in found]
     killed, daemons = [], []
     for pid in dict.fromkeys(ranks + found):
         try:
