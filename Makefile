@@ -67,6 +67,7 @@ bench: setup
 	mkdir -p bench-results
 	$(BIN)/python benchmarks/bench_launch.py
 	@if [ -f benchmarks/bench_collectives.py ]; then $(BIN)/python benchmarks/bench_collectives.py; fi
+	$(BIN)/python benchmarks/bench_inplace_loop.py
 	@if [ -f benchmarks/bench_doctor.py ]; then $(BIN)/python benchmarks/bench_doctor.py; fi
 	$(BIN)/python benchmarks/bench_hang.py
 	@if [ "$$(id -u)" = 0 ]; then $(BIN)/python benchmarks/bench_restarts.py --hosts 3; else echo "bench_restarts: needs root (namespace hosts)"; fi
