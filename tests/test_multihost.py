@@ -111,7 +111,8 @@ def test_dry_run_prints_what_the_real_launch_runs(cluster3):
     assert len(rank_lines(real.stdout)) == 3
     # The real launch also hands the ranks its job directory (for dtrun stacks); a dry run makes none.
     shown = [line[len("dtrun: "):] for line in real.stderr.splitlines()
-             if line.startswith("dtrun: ") and "DTRUN_JOB_DIR=" not in line]
+             if line.startswith("dtrun: ") and "DTRUN_JOB_DIR=" not in line
+             and "MPI daemon was still running after the job ended" not in line]  # PMIx's rare deadlock, ended
     assert shown == dry.stdout.splitlines()
     include = [line for line in dry.stdout.splitlines() if "btl_tcp_if_include" in line]
     assert include and f"btl_tcp_if_include {cluster3.subnet}" in include[0]
@@ -256,6 +257,8 @@ def test_a_daemon_stuck_after_the_job_is_ended_and_only_that_one(cluster3, tmp_p
         p = run_on(cluster3, "-H", host_list(cluster3, [1, 1, 1]), "python", "-c", prog)
         assert p.returncode == 0, p.stderr
         assert wait_until_empty(lambda: stand_ins("ours"), timeout=5) == [], "the job's stuck daemon was left"
+        assert re.search(rf"^dtrun: {target}: the job's MPI daemon was still running after the job ended \(pid \d+",
+                         p.stderr, re.M), p.stderr
         assert len(stand_ins("other-job")) == 1 and len(stand_ins("other-user")) == 1, \
             "a process not proven to be the job's was killed"
     finally:

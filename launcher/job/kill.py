@@ -8,11 +8,13 @@ and the daemons that started them (it checks each against /proc itself).
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 from dtrun.launcher.remote.procfs import stat_fields
 
@@ -75,8 +77,14 @@ def reap_remote_daemons(job, nspace: str, budget: float = 3.0) -> None:
     from dtrun.launcher.hosts import is_local
 
     hosts = [h for h in dict.fromkeys(job.hosts) if not is_local(h)]
-    if hosts and nspace:
-        run_host_agents(job, "kill", hosts, budget, (nspace,))
+    if not (hosts and nspace):
+        return
+    for host, answer in zip(hosts, run_host_agents(job, "kill", hosts, budget, (nspace,))):
+        daemons = answer.get("daemons") if answer else None
+        if isinstance(daemons, list) and daemons and all(type(d) is int for d in daemons):
+            print(f"dtrun: {host}: the job's MPI daemon was still running after the job ended (pid "
+                  f"{', '.join(map(str, daemons[:4]))}: Open MPI 5's prted can deadlock in PMIx's finalize); "
+                  "dtrun ended it", file=sys.stderr)
 
 
 def tidy_remote_hosts(job, budget: float = 3.0) -> None:
@@ -89,22 +97,41 @@ def tidy_remote_hosts(job, budget: float = 3.0) -> None:
         run_host_agents(job, "tidy", hosts, budget)
 
 
-def run_host_agents(job, mode: str, hosts: Iterable[str], budget: float, extra: Sequence[str] = ()) -> None:
-    """Run the agent's ``mode`` on ``hosts`` in parallel and wait at most ``budget`` seconds."""
+def run_host_agents(job, mode: str, hosts: Iterable[str], budget: float,
+                    extra: Sequence[str] = ()) -> list[Optional[dict]]:
+    """Run the agent's ``mode`` on ``hosts`` in parallel and wait at most ``budget`` seconds.
+    Returns each host's answer (the agent's last output line, a JSON object), in order; None
+    where it gave none in time (the shell's profile on that host may print too: only the
+    last line counts, and only as data)."""
     from dtrun.launcher.stacks import agent_argv
 
     deadline = time.monotonic() + budget
-    procs = []
+    procs: list[Optional[subprocess.Popen]] = []
     for host in hosts:
         try:
-            procs.append(subprocess.Popen(agent_argv(job, host, mode, budget, extra), stdout=subprocess.DEVNULL,
+            procs.append(subprocess.Popen(agent_argv(job, host, mode, budget, extra), stdout=subprocess.PIPE,
                                           stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
                                           start_new_session=True))
         except OSError:
-            pass
+            procs.append(None)
+    answers: list[Optional[dict]] = []
     for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        out = b""
+        if p is not None:
+            try:
+                out, _ = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
+                out = b""
+        answers.append(_answer(out))
+    return answers
+
+
+def _answer(out: bytes) -> Optional[dict]:
+    lines = out[-65536:].decode("utf-8", "replace").strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        return None
+    return answer if isinstance(answer, dict) else None

@@ -232,7 +232,8 @@ def _nspace_daemons(nspace):
     """This user's Open MPI 5 daemons of the job whose PMIx namespace is ``nspace``, found in
     /proc: those no rank wrapper recorded (the wrapper's record is gone once the host's last
     rank ends, yet PMIx 5 can deadlock a prted in its own finalize after that, alive for good).
-    Only a process whose name is a daemon's, owned by the user the agent runs as, with
+    Only a process whose name is a daemon's, owned by the user the agent runs as, in the
+    agent's network namespace (this host's, where hosts share a kernel), with
     ``ess_base_nspace NSPACE`` on its command line (rankstate.started_by); dtrun passes the
     namespace after that job's mpirun has ended or been stopped."""
     if not nspace:
@@ -240,14 +241,15 @@ def _nspace_daemons(nspace):
     me, found = os.getuid(), []
     try:
         names = os.listdir("/proc")
+        net = os.readlink("/proc/self/ns/net")
     except OSError:
         return found
     for name in names:
         if not name.isdigit() or procfs.valid_pid(int(name)) is None or int(name) == os.getpid():
             continue
         pid = int(name)
-        try:
-            if os.stat(f"/proc/{pid}").st_uid != me:
+        try:  # this host's: hosts that share one kernel (containers, namespaces) differ in network
+            if os.stat(f"/proc/{pid}").st_uid != me or os.readlink(f"/proc/{pid}/ns/net") != net:
                 continue
         except OSError:
             continue
@@ -288,7 +290,7 @@ def kill(job_dir, nspace=""):
     starts = {p: (procfs.proc_start(p) or (None, None))[1] for p in killed}
     while time.monotonic() < deadline and not all(procfs.gone(p, s) for p, s in starts.items()):
         time.sleep(0.02)
-    return {"host": host, "killed": killed, "refused": refused + refused_daemons, "swept": swept,
+    return {"host": host, "killed": killed, "daemons": daemons, "refused": refused + refused_daemons, "swept": swept,
             "tidied": rankstate.tidy(job_dir)}
 
 
