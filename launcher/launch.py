@@ -607,7 +607,10 @@ def _observers(opts: LaunchOptions, prepared: PreparedLaunch, job_dir: Optional[
     spec = prepared.spec
     job = jobstate.write(job_dir, [h.host for h in prepared.selection.hosts], spec.np, spec.ssh_config, spec.log_dir,
                          prepared.flavor.label, spec.program)
-    monitor = Monitor(job, opts.hang_timeout, opts.on_hang, reap_daemons=sweep)
+    # Reaping a job's stuck daemons after its end goes over ssh; inside a Slurm allocation
+    # the daemons ran as a Slurm step, which Slurm ends itself (and ssh may be blocked there).
+    monitor = Monitor(job, opts.hang_timeout, opts.on_hang,
+                      reap_daemons=sweep and prepared.choice.allocation is None)
     return observers + (StragglerWatch(job, table=live_table if opts.top else None),), monitor  # the straggler finding at the end
 
 
