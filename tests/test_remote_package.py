@@ -64,7 +64,7 @@ def run_script(tmp_path, name, *args, stdin=None):
 
 def test_agent_starts_as_a_script(tmp_path):
     p = run_script(tmp_path, "agent")
-    assert (p.returncode, p.stderr) == (2, "usage: agent.py dump|watch|kill|tidy|sample JOB_DIR [SECONDS]\n")
+    assert (p.returncode, p.stderr) == (2, "usage: agent.py dump|watch|kill|reap|tidy|sample JOB_DIR [SECONDS]\n")
     p = run_script(tmp_path, "agent", "tidy", str(tmp_path / "none"))
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["tidied"] == []

@@ -73,13 +73,14 @@ def reap_remote_daemons(job, nspace: str, budget: float = 3.0) -> None:
     SIGKILL what is left of it. PMIx 5 can deadlock a prted in its own finalize after mpirun
     has gone (both of its threads waiting on each other: seen about once in 50 jobs with a
     failing rank on a loaded machine); nothing else would ever end it. The agent finds such a
-    daemon by ``nspace`` (this job's, and mpirun has ended: no other job's) and the user's uid."""
+    daemon by ``nspace`` (this job's, and mpirun has ended: no other job's) and the user's uid,
+    and gives it a second to exit by itself (one still finalizing normally is not stuck)."""
     from dtrun.launcher.hosts import is_local
 
     hosts = [h for h in dict.fromkeys(job.hosts) if not is_local(h)]
     if not (hosts and nspace):
         return
-    for host, answer in zip(hosts, run_host_agents(job, "kill", hosts, budget, (nspace,))):
+    for host, answer in zip(hosts, run_host_agents(job, "reap", hosts, budget, (nspace,))):
         daemons = answer.get("daemons") if answer else None
         if isinstance(daemons, list) and daemons and all(type(d) is int for d in daemons):
             print(f"dtrun: {host}: the job's MPI daemon was still running after the job ended (pid "

@@ -20,7 +20,9 @@ and `dtrun top` read it.
 ``python3 -S agent.py kill JOB_DIR`` sends SIGKILL to every rank of the job on this host, and
 to the MPI daemons that started them if they are still alive (rankstate.record_daemon), then
 removes the session directories those daemons leave (launcher/remote/sessiondirs.py), and what the
-ranks left in the job directory (``tidy``).
+ranks left in the job directory (``tidy``). ``python3 -S agent.py reap JOB_DIR SECONDS NSPACE``
+does the same after an Open MPI 5 job ended by itself, for a daemon PMIx deadlocked in its
+finalize, which it finds by the job's namespace and gives a second to exit by itself.
 
 ``python3 -S agent.py tidy JOB_DIR`` removes what the job's ended ranks left in the job
 directory on this host (rankstate.tidy): after a failed job, on a host that does not share it.
@@ -259,7 +261,12 @@ def _nspace_daemons(nspace):
     return found
 
 
-def kill(job_dir, nspace=""):
+# Seconds a daemon found only by its namespace gets to exit by itself after its job ended
+# (``reap``): one still finalizing normally is not stuck, and is left to finish.
+REAP_GRACE_S = 1.0
+
+
+def kill(job_dir, nspace="", grace=0.0):
     """SIGKILL this host's ranks of the job, then the MPI daemons that started them and are
     still the same processes (an MPI daemon can outlive an mpirun that was killed).
 
@@ -269,13 +276,21 @@ def kill(job_dir, nspace=""):
     wrapper (looked at before any rank is killed), by the job's variable where it has it, or
     (Open MPI 5) by ``nspace``, the job's PMIx namespace that dtrun passes on the command line:
     a daemon whose ranks have already ended has no rank left to prove it, and one whose
-    record is gone (the host's last rank removed it) is found by that namespace in /proc.
+    record is gone (the host's last rank removed it) is found by that namespace in /proc;
+    ``grace`` seconds let such a daemon exit by itself first (``reap``, after the job ended).
     Everything is proven first, then killed; pids are not re-read in between.
     """
     host = socket.gethostname()
     ranks, refused = _proven_ranks(job_dir)
     found, refused_daemons = _proven_daemons(job_dir, ranks, nspace, host)
-    found += [pid for pid in _nspace_daemons(nspace) if pid not in found]
+    scanned = [pid for pid in _nspace_daemons(nspace) if pid not in found]
+    if scanned and grace > 0:
+        starts = {p: (procfs.proc_start(p) or (None, None))[1] for p in scanned}
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and not all(procfs.gone(p, t) for p, t in starts.items()):
+            time.sleep(0.05)
+        scanned = [p for p in scanned if not procfs.gone(p, starts[p])]
+    found += scanned
     killed, daemons = [], []
     for pid in dict.fromkeys(ranks + found):
         try:
@@ -305,8 +320,8 @@ def _sweep_after(daemons, wait_s=0.5):
 
 
 def main(argv):
-    if len(argv) < 2 or argv[0] not in ("dump", "watch", "kill", "tidy", "sample"):
-        sys.stderr.write("usage: agent.py dump|watch|kill|tidy|sample JOB_DIR [SECONDS]\n")
+    if len(argv) < 2 or argv[0] not in ("dump", "watch", "kill", "reap", "tidy", "sample"):
+        sys.stderr.write("usage: agent.py dump|watch|kill|reap|tidy|sample JOB_DIR [SECONDS]\n")
         return 2
     mode, job_dir = argv[0], argv[1]
     seconds = float(argv[2]) if len(argv) > 2 else (2.0 if mode == "dump" else 1.0)
@@ -322,7 +337,8 @@ def main(argv):
     if mode == "tidy":
         result = {"host": socket.gethostname(), "tidied": rankstate.tidy(job_dir)}
     else:
-        result = dump(job_dir, seconds, via) if mode == "dump" else kill(job_dir, argv[3] if len(argv) > 3 else "")
+        result = dump(job_dir, seconds, via) if mode == "dump" else \
+            kill(job_dir, argv[3] if len(argv) > 3 else "", REAP_GRACE_S if mode == "reap" else 0.0)
     sys.stdout.write(json.dumps(result) + "\n")
     return 0
 
