@@ -7,8 +7,12 @@ the session fails and names it. ``DTRUN_ALLOW_SKIPS=1`` lets such a run pass any
 skip with their reason and the run passes.
 """
 import os
+import shutil
+import subprocess
 
 import pytest
+
+from tests.dtrun_helpers import AS_OTHER_USER, OTHER_UID
 
 pytest_plugins = ["tests.cluster_plugin"]
 
@@ -39,3 +43,17 @@ def pytest_sessionfinish(session, exitstatus):
         for line in lines:
             reporter.write_line(line, red=True)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def other_user():
+    """``other_user(*cmd)`` runs a command as the tests' second local user (uid OTHER_UID),
+    created here if missing; needs root and setpriv."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to act as a second user")
+    subprocess.run(f"id dtother >/dev/null 2>&1 || useradd -u {OTHER_UID} -M -N dtother",
+                   shell=True, check=True)
+
+    def run(*cmd: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*AS_OTHER_USER, *cmd], capture_output=True, text=True, timeout=120)
+    return run

@@ -11,6 +11,10 @@ DTRUN = str(BIN / "dtrun")
 PYTHON = str(BIN / "python")
 
 
+# The tests' second local user ("dtother"; the other_user fixture in conftest.py creates it).
+OTHER_UID = 4242
+AS_OTHER_USER = ("setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups")
+
 def result_records(text: str) -> list[dict]:
     """Every ``RESULT {json}`` a rank printed, in output order. Two ranks' records can share
     a line: with PYTHONUNBUFFERED=1, print() writes the text and its newline in two calls,

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.dtrun_helpers import REPO, dtrun, result_records, user_env
+from tests.dtrun_helpers import OTHER_UID, REPO, dtrun, result_records, user_env
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (collectives.dp needs it)")
 PYTHON = sys.executable
 CASES = str(REPO / "tests" / "checkpoint_cases.py")
-OTHER_UID = 4242
 
 
 def results(out: str) -> list[dict]:
@@ -75,19 +74,6 @@ class RunsCommand:
 
 
 # ---------------------------------------------------------------- a hostile shared directory
-@pytest.fixture
-def other_user():
-    if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("needs root and setpriv to act as a second user")
-    subprocess.run(f"id dtother >/dev/null 2>&1 || useradd -u {OTHER_UID} -M -N dtother",
-                   shell=True, check=True)
-
-    def run(*cmd: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups",
-                               *cmd], capture_output=True, text=True, timeout=120)
-    return run
-
-
 @pytest.fixture
 def shared_dir():
     d = Path(tempfile.mkdtemp(prefix="dtrun-ckpt-shared-", dir="/tmp"))

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_checkpoint import OTHER_UID
-from tests.dtrun_helpers import DTRUN, PYTHON, REPO, command_lines, dtrun, interrupt_when_up, user_env, wait_until_empty
+from tests.dtrun_helpers import AS_OTHER_USER, DTRUN, PYTHON, REPO, command_lines, dtrun, interrupt_when_up, user_env, wait_until_empty
 
 pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
 
@@ -222,16 +221,13 @@ def test_smoke_passes_on_every_host(cluster3):
 FAKE_DAEMON = "#!/usr/bin/python3 -S\nimport time\ntime.sleep(300)\n"
 
 
-def test_a_daemon_stuck_after_the_job_is_ended_and_only_that_one(cluster3, tmp_path):
+def test_a_daemon_stuck_after_the_job_is_ended_and_only_that_one(cluster3, other_user):
     """PMIx 5 can deadlock a prted in its own finalize after mpirun is gone (seen here about once
     in 50 jobs with a failing rank on a loaded machine: both threads waiting on each other in
     PMIx_server_finalize, alive for good). That deadlock cannot be provoked on demand, so a rank
     leaves its stand-in on its host: a process named prted, detached, that carries the job's
     namespace on its command line as a real one does. dtrun ends it when the job ends, and leaves
     alone the same process with another job's namespace and one that another user runs."""
-    if os.geteuid() != 0 or not shutil.which("setpriv"):
-        pytest.skip("needs root and setpriv to act as a second user")
-    subprocess.run(f"id dtother >/dev/null 2>&1 || useradd -u {OTHER_UID} -M -N dtother", shell=True, check=True)
     token = f"dtrun-mh-stuck-{os.getpid()}-{time.monotonic_ns()}"
     bin_dir = Path(tempfile.mkdtemp(prefix="dtrun-fake-daemon-", dir="/tmp"))
     bin_dir.chmod(0o755)
@@ -243,8 +239,7 @@ def test_a_daemon_stuck_after_the_job_is_ended_and_only_that_one(cluster3, tmp_p
             f"if socket.gethostname() == {target!r}:\n"
             "    ours = os.environ['PMIX_NAMESPACE'].rsplit('@', 1)[0] + '@0'\n"
             f"    for which, ns, user in (('ours', ours, []), ('other-job', 'prterun-elsewhere-4242@0', []),\n"
-            f"                            ('other-user', ours, ['setpriv', '--reuid={OTHER_UID}', '--regid={OTHER_UID}',"
-            " '--clear-groups'])):\n"
+            f"                            ('other-user', ours, {list(AS_OTHER_USER)!r})):\n"
             f"        subprocess.Popen([*user, {str(fake)!r}, '--prtemca', 'ess_base_nspace', ns, {token!r} + which],\n"
             "                         start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,\n"
             "                         stderr=subprocess.DEVNULL)\n"

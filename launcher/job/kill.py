@@ -75,9 +75,7 @@ def reap_remote_daemons(job, nspace: str, budget: float = 3.0) -> None:
     failing rank on a loaded machine); nothing else would ever end it. The agent finds such a
     daemon by ``nspace`` (this job's, and mpirun has ended: no other job's) and the user's uid,
     and gives it a second to exit by itself (one still finalizing normally is not stuck)."""
-    from dtrun.launcher.hosts import is_local
-
-    hosts = [h for h in dict.fromkeys(job.hosts) if not is_local(h)]
+    hosts = _other_hosts(job)
     if not (hosts and nspace):
         return
     for host, answer in zip(hosts, run_host_agents(job, "reap", hosts, budget, (nspace,))):
@@ -91,11 +89,16 @@ def reap_remote_daemons(job, nspace: str, budget: float = 3.0) -> None:
 def tidy_remote_hosts(job, budget: float = 3.0) -> None:
     """On every other host at once, remove what the job's ended ranks left in the job
     directory there (the agent's ``tidy``); dtrun removes its own host's directory."""
-    from dtrun.launcher.hosts import is_local
-
-    hosts = [h for h in dict.fromkeys(job.hosts) if not is_local(h)]
+    hosts = _other_hosts(job)
     if hosts:
         run_host_agents(job, "tidy", hosts, budget)
+
+
+def _other_hosts(job) -> list[str]:
+    """The job's hosts other than this one, each once, in order."""
+    from dtrun.launcher.hosts import is_local
+
+    return [h for h in dict.fromkeys(job.hosts) if not is_local(h)]
 
 
 def run_host_agents(job, mode: str, hosts: Iterable[str], budget: float,

@@ -285,11 +285,7 @@ def kill(job_dir, nspace="", grace=0.0):
     found, refused_daemons = _proven_daemons(job_dir, ranks, nspace, host)
     scanned = [pid for pid in _nspace_daemons(nspace) if pid not in found]
     if scanned and grace > 0:
-        starts = {p: (procfs.proc_start(p) or (None, None))[1] for p in scanned}
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and not all(procfs.gone(p, t) for p, t in starts.items()):
-            time.sleep(0.05)
-        scanned = [p for p in scanned if not procfs.gone(p, starts[p])]
+        scanned = _wait_gone(scanned, grace, 0.05)
     found += scanned
     killed, daemons = [], []
     for pid in dict.fromkeys(ranks + found):
@@ -301,12 +297,19 @@ def kill(job_dir, nspace="", grace=0.0):
         except OSError:
             pass
     swept = _sweep_after(daemons)
-    deadline = time.monotonic() + 0.5  # a SIGKILLed rank is a zombie at once, or soon
-    starts = {p: (procfs.proc_start(p) or (None, None))[1] for p in killed}
-    while time.monotonic() < deadline and not all(procfs.gone(p, s) for p, s in starts.items()):
-        time.sleep(0.02)
+    _wait_gone(killed, 0.5, 0.02)  # a SIGKILLed rank is a zombie at once, or soon
     return {"host": host, "killed": killed, "daemons": daemons, "refused": refused + refused_daemons, "swept": swept,
             "tidied": rankstate.tidy(job_dir)}
+
+
+def _wait_gone(pids, seconds, step):
+    """Wait up to ``seconds`` for the processes ``pids`` are now (pid and start time) to end;
+    returns those still there."""
+    starts = {p: (procfs.proc_start(p) or (None, None))[1] for p in pids}
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(procfs.gone(p, t) for p, t in starts.items()):
+        time.sleep(step)
+    return [p for p in pids if not procfs.gone(p, starts[p])]
 
 
 def _sweep_after(daemons, wait_s=0.5):
