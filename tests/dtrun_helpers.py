@@ -116,6 +116,31 @@ def interrupt_when_up(argv, ups, check_running=None, timeout_up=60, timeout_exit
             proc.kill()
 
 
+def exec_done(pid: int) -> bool:
+    """Whether process ``pid`` has finished exec: subprocess.Popen returns once exec has closed
+    the child's close-on-exec pipe, which is before the kernel has set up the new program's
+    environment, and until then /proc/PID/environ reads empty (the kill agent, which proves a
+    process is the job's by DTRUN_JOB_DIR there, would rightly refuse it)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return bool(f.read(1))
+    except OSError:
+        return False
+
+
+def started(argv, **popen_kw) -> subprocess.Popen:
+    """Popen ``argv`` and return once its exec is complete (``exec_done``)."""
+    import time
+
+    proc = subprocess.Popen(argv, **popen_kw)
+    deadline = time.monotonic() + 30
+    while not exec_done(proc.pid):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{argv[0]} did not start (pid {proc.pid})")
+        time.sleep(0.01)
+    return proc
+
+
 def wait_until_empty(find, timeout=5.0):
     """Poll ``find()`` until it returns nothing or ``timeout`` passes; return its last answer."""
     import time

@@ -170,7 +170,12 @@ def sleeper(job_dir=None, argv=("sleep", "300")):
     env.pop("DTRUN_JOB_DIR", None)
     if job_dir:
         env["DTRUN_JOB_DIR"] = job_dir
-    return subprocess.Popen(list(argv), env=env)
+    proc = subprocess.Popen(list(argv), env=env)
+    # Popen returns before exec has set up the new environment (/proc/PID/environ reads empty
+    # until then): the agent would rightly refuse a rank it cannot prove is the job's.
+    while not open(f"/proc/{proc.pid}/environ", "rb").read(1):
+        time.sleep(0.01)
+    return proc
 
 
 def rank_file(job_dir, rank, **fields):

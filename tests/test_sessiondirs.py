@@ -18,7 +18,7 @@ import pytest
 
 from dtrun.launcher.remote import agent as remote_agent, sessiondirs
 from dtrun.launcher.remote.procfs import proc_start
-from tests.dtrun_helpers import BIN, DTRUN, PYTHON, REPO, user_env
+from tests.dtrun_helpers import BIN, DTRUN, PYTHON, REPO, started, user_env
 
 MPIRUN = str(BIN / "mpirun")
 HOST = socket.gethostname()
@@ -176,7 +176,7 @@ def test_kill_agent_sweeps_what_the_daemons_it_killed_left(tmp_path):
     directory; the agent removes it once the daemon is gone, and nothing live."""
     job_dir = tmp_path / "job"
     job_dir.mkdir()
-    daemon = subprocess.Popen(["sleep", "60"], env={**os.environ, "DTRUN_JOB_DIR": str(job_dir)})  # proven the job's
+    daemon = started(["sleep", "60"], env={**os.environ, "DTRUN_JOB_DIR": str(job_dir)})  # proven the job's
     threading.Thread(target=daemon.wait, daemon=True).start()  # its parent reaps it, as sshd would
     name, start = proc_start(daemon.pid)
     (job_dir / f"daemon.{daemon.pid}.json").write_text(
