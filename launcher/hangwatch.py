@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 from dtrun.launcher.job.result import StopReason
 from dtrun.launcher.jobstate import JobInfo
+from dtrun.launcher.job.agents import agent_argv
 
 ON_HANG = ("report", "abort", "restart")  # restart: stop as abort does, then --max-restarts (launcher/restarts.py)
 
@@ -129,7 +130,6 @@ class Monitor:
 
     # -- progress
     def _start_watchers(self) -> None:
-        from dtrun.launcher.stacks import agent_argv
 
         interval = max(0.2, min(1.0, self.hang_timeout / 5))
         for host in dict.fromkeys(self.job.hosts):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import subprocess
 import threading
 import time
@@ -20,10 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from dtrun.launcher.hosts import is_local
+from dtrun.launcher.job.agents import agent_argv
 from dtrun.launcher.jobstate import JobInfo
 
-AGENT = str(Path(__file__).parent / "remote" / "agent.py")
 _RUNTIME_DIR = str(Path(__file__).resolve().parent.parent / "collectives") + os.sep
 _LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/mpi4py/", "<frozen ")
 _CALL_RE = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
@@ -37,20 +35,6 @@ class HostAnswer:
     host: str
     ranks: list = field(default_factory=list)
     error: Optional[str] = None
-
-
-def agent_argv(job: JobInfo, host: str, mode: str, seconds: float, extra: Sequence[str] = (),
-               connect_timeout: Optional[float] = None) -> list[str]:
-    """The command that runs the agent on ``host``: directly when local, else through ssh
-    (connecting within ``connect_timeout`` seconds, by default ``seconds``)."""
-    remote = [job.python, "-S", AGENT, mode, job.dir, f"{seconds:g}", *extra]
-    if is_local(host):
-        return remote
-    connect = seconds if connect_timeout is None else connect_timeout
-    ssh = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, int(connect))}"]
-    if job.ssh_config:
-        ssh += ["-F", job.ssh_config]
-    return ssh + [host, shlex.join(remote)]
 
 
 def load_factor(limit: float = 4.0) -> float:

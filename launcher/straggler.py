@@ -26,6 +26,7 @@ from statistics import median
 from typing import Callable, Optional, Sequence
 
 from dtrun.launcher.jobstate import JobInfo
+from dtrun.launcher.job.agents import agent_argv
 
 MIN_RUN_S = 5.0  # shorter jobs get no finding (too few samples to tell noise from a straggler)
 START_DELAY_S = 2.0  # sampling starts this long after every rank started (imports, rendezvous: busy ranks)
@@ -352,7 +353,6 @@ class SampleStream:
         self._started_at = 0.0
 
     def start(self) -> None:
-        from dtrun.launcher.stacks import agent_argv
 
         via = "faulthandler" if os.environ.get("DTRUN_NO_PYSPY", "").strip() == "1" else "auto"
         extra = [f"{self.rate:g}", via] + (["once"] if self.once else [])

@@ -17,6 +17,7 @@ import time
 from typing import Iterable, Optional, Sequence
 
 from dtrun.launcher.remote.procfs import stat_fields
+from dtrun.launcher.job.agents import agent_argv
 
 
 def send_signal(proc, signum: int) -> None:
@@ -107,7 +108,6 @@ def run_host_agents(job, mode: str, hosts: Iterable[str], budget: float,
     Returns each host's answer (the agent's last output line, a JSON object), in order; None
     where it gave none in time (the shell's profile on that host may print too: only the
     last line counts, and only as data)."""
-    from dtrun.launcher.stacks import agent_argv
 
     deadline = time.monotonic() + budget
     procs: list[Optional[subprocess.Popen]] = []
