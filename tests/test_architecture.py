@@ -271,3 +271,73 @@ def test_no_function_over_60_lines_without_a_reason():
     rows = long_functions(REPO)
     assert not rows, (f"functions over {MAX_LINES} lines (split them, or say why on the line before "
                       "the def: # long: <reason>):\n" + "\n".join(rows))
+
+
+MAX_MODULE_LINES = 600
+LAZY_REASON = re.compile(r"#\s*lazy:\s*\S")
+# Function-level imports of our own modules that may exist, each with its ``# lazy:`` reason.
+# The number only goes down; raise it only together with a reason on the new import.
+MAX_LAZY_IMPORTS = 200
+
+
+def long_modules(root: Path, packages=PACKAGES, limit: int = MAX_MODULE_LINES) -> list[str]:
+    """``file (N lines)`` for each module over ``limit`` lines."""
+    return [f"{rel} ({n} lines)" for path, rel in _sources(root, packages)
+            if (n := len(path.read_text().splitlines())) > limit]
+
+
+def lazy_imports(root: Path, packages=PACKAGES) -> tuple[list[str], list[str]]:
+    """(every function-level import of one of ``packages``, those without a ``# lazy:`` reason),
+    each as ``file:line name``. The reason is a comment on one of the statement's lines or on
+    the line before it."""
+    found, unexplained = [], []
+    for path, rel in _sources(root, packages):
+        text = path.read_text()
+        lines = text.splitlines()
+        tree = ast.parse(text, rel)
+        module = _module_name(rel)
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                    continue
+                names = [n for _, n in imported_names(node, module, path.name == "__init__.py")]
+                ours = [n for n in names if n.split(".")[0] in packages]
+                if not ours:
+                    continue
+                row = f"{rel}:{node.lineno} {ours[0]}"
+                found.append(row)
+                span = range(node.lineno - 1, node.end_lineno + 1)
+                if not any(0 < i <= len(lines) and LAZY_REASON.search(lines[i - 1]) for i in span):
+                    unexplained.append(row)
+    return sorted(set(found)), sorted(set(unexplained))
+
+
+def test_the_module_and_lazy_import_checks_see_what_they_look_for(tmp_path):
+    _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/big.py": "x = 1\n" * 601,
+        "pkg/small.py": "x = 1\n" * 600,
+        "pkg/m.py": ("import os\n\n\ndef f():\n    from . import small\n    import json\n"
+                     "    from pkg import big  # lazy: only f needs it\n"
+                     "    # lazy: start-up time\n    from pkg.small import x\n    return x\n"),
+    })
+    assert long_modules(tmp_path, ("pkg",)) == ["pkg/big.py (601 lines)"]
+    found, unexplained = lazy_imports(tmp_path, ("pkg",))
+    assert found == ["pkg/m.py:5 pkg", "pkg/m.py:7 pkg", "pkg/m.py:9 pkg.small"]
+    assert unexplained == ["pkg/m.py:5 pkg"]
+
+
+def test_no_module_over_600_lines():
+    rows = long_modules(REPO)
+    assert not rows, f"modules over {MAX_MODULE_LINES} lines (split them by concern):\n" + "\n".join(rows)
+
+
+def test_every_lazy_import_says_why_and_they_do_not_grow():
+    found, unexplained = lazy_imports(REPO)
+    assert found, "the reader found no function-level import: it would prove nothing"
+    assert not unexplained, ("imports of our own modules inside functions without a reason (move them to the "
+                             "module's top, or say why on the line: # lazy: <reason>):\n" + "\n".join(unexplained))
+    assert len(found) <= MAX_LAZY_IMPORTS, (
+        f"{len(found)} function-level imports of our own modules, more than {MAX_LAZY_IMPORTS}:\n" + "\n".join(found))
