@@ -322,7 +322,7 @@ def _ssh_banner(target, timeout: float) -> str:
 
 def reachable(hosts, ssh_config: Optional[str], timeout: float = TIMEOUT_S) -> tuple[Finding, ...]:
     """A finding for every remote host whose sshd does not answer within ``timeout`` (all in parallel)."""
-    from dtrun.checks import fanout, sshtarget  # lazy: multi-host launches only; every launch imports this module
+    from dtrun.checks import fanout, sshtarget  # lazy: multi-host launches and failed jobs only; every launch imports this module
 
     config = sshtarget.load_ssh_config(ssh_config)
     targets = [sshtarget.ssh_target(h, config, ssh_config) for h in hosts if not is_local(h.host)]
