@@ -136,7 +136,7 @@ def _first_round(spec: DoctorSpec, hosts: DoctorHosts, request: dict) -> list[Fi
     return findings + answers.findings(lambda name: "env" if by_name[name].conn or by_name[name].local else "ssh")
 
 
-def _between_hosts(spec: DoctorSpec, hosts: DoctorHosts, analysis: "Analysis", job_cfg):
+def _between_hosts(spec: DoctorSpec, hosts: DoctorHosts, analysis: Analysis, job_cfg):
     """The firewall and ssh-hop round, then --links; (findings, firewall pairs, links summary, links start).
 
     Both need the subnet to use: without one, neither runs.

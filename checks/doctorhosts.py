@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from dtrun.checks.probereport import ProbeReport
+from dtrun.checks.probesession import ProbeSession
+from dtrun.checks.ssh import SshConnection
+from dtrun.checks.sshtarget import SshTarget
 
 MAX_WORKERS = 32  # hosts worked on at once in each round
 
@@ -22,9 +25,9 @@ class HostRun:
     name: str
     slots: int
     local: bool
-    target: object = None
-    conn: object = None
-    probe: object = None
+    target: Optional[SshTarget] = None  # None for this host, which needs no ssh
+    conn: Optional[SshConnection] = None
+    probe: Optional[ProbeSession] = None
     report: Optional[ProbeReport] = None  # parsed as it arrives (checks/probereport.py)
     times: dict = field(default_factory=dict)
     step: str = "waiting"
