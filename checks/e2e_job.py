@@ -31,7 +31,7 @@ def main(argv):
     if "--smoke" not in argv:
         return 0
     try:
-        from dtrun.collectives import smoke
+        from dtrun.collectives import smoke  # lazy: optional on the far host; a missing runtime is reported
     except ImportError as exc:
         print(f"{MARK} no-smoke {exc}", flush=True)
         return 0

@@ -9,11 +9,15 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
 from dtrun.checks.probereport import ProbeReport, probe_report
 from dtrun.checks.result import FAIL, OK, WARN, Finding
+from dtrun.launcher.errors import MpiFlavorError
+from dtrun.launcher.flavors import Flavor, parse_version_output
+from dtrun.launcher.remote.probe import NAMES, signature
 
 CHECK = "env"
 DAEMONS = {("openmpi", 5): "prted", ("openmpi", 4): "orted", ("mpich", 0): "hydra_pmi_proxy"}
@@ -48,8 +52,6 @@ class LocalFacts:
 
     def probe_request(self) -> dict:
         """What the probe needs to look at; data, sent as JSON."""
-        from dtrun.launcher.remote.probe import NAMES, signature
-
         paths = {"python": self.python, "cwd": self.cwd, "mpirun": self.mpirun}
         if self.daemon_path:
             paths["daemon"] = self.daemon_path
@@ -77,9 +79,6 @@ def local_facts(flavor, local_report: Union[ProbeReport, Mapping, None], program
 
 def _mpi_label(text: Optional[str]) -> Optional[str]:
     """'Open MPI 4.1.4' from --version output, or the first line when dtrun does not know it."""
-    from dtrun.launcher.errors import MpiFlavorError
-    from dtrun.launcher.flavors import Flavor, parse_version_output
-
     if not text:
         return None
     try:
@@ -241,8 +240,6 @@ def this_host_findings(host: str, rep: Union[ProbeReport, Mapping], local: Local
 
 def consistency_findings(reports: Mapping[str, Union[ProbeReport, Mapping]], local: LocalFacts) -> list[Finding]:
     """LD_LIBRARY_PATH that differs between hosts (the odd ones out are named with both values)."""
-    from collections import Counter
-
     parsed = {h: probe_report(r) for h, r in reports.items()}
     values = {h: r.ld_library_path or "" for h, r in parsed.items() if r.ok}
     if len(set(values.values())) < 2:

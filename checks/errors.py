@@ -1,8 +1,9 @@
 """Exceptions of the checks, each carrying the cause and the fix for its host.
 
 paramiko, socket and subprocess errors are translated into these where they are
-caught (``checks/ssh.py``), so the rest of the package never sees a library
-error and every failure reaches the user as "host: cause — fix".
+caught (``checks/ssh.py``, ``checks/knownhosts.py``, ``checks/probesession.py``), so the
+rest of the package never sees a library error and every failure reaches the user as
+"host: cause — fix".
 """
 from __future__ import annotations
 

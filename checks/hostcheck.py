@@ -15,8 +15,14 @@ timeout, not more:
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
 from typing import Mapping, Optional, Sequence
+
+from dtrun.checks.preflight import reachable
+from dtrun.launcher.hosts import SLURM_SOURCE, is_local
+from dtrun.launcher.safe import plain_text
 
 TIMEOUT_S = 5.0
 SLURM_TIMEOUT_S = 10.0  # a step's start goes through slurmctld and the node's slurmd
@@ -30,18 +36,13 @@ def short_reason(detail: str) -> str:
 def check_hosts(opts, selection, hosts: Sequence, environ: Optional[Mapping[str, str]] = None,
                 timeout: Optional[float] = None) -> dict[str, str]:
     """Check ``hosts`` (``HostSlots``) of a failed job; return {host: why it failed} for those that did."""
-    from dtrun.launcher.hosts import SLURM_SOURCE, is_local
-    from dtrun.launcher.slurm import current_allocation
+    from dtrun.checks.sshtarget import ssh_config_path  # lazy: failed jobs only; every launch imports this module
+    from dtrun.launcher.slurm import current_allocation, find_srun  # lazy: failed jobs only; every launch imports this module
 
     environ = os.environ if environ is None else environ
     if selection is not None and selection.source == SLURM_SOURCE and current_allocation(environ) is not None:
-        from dtrun.launcher.slurm import find_srun
-
         return slurm_nodes(find_srun(environ) or "srun", [h.host for h in hosts],
                            SLURM_TIMEOUT_S if timeout is None else timeout)
-    from dtrun.checks.preflight import reachable
-    from dtrun.checks.ssh import ssh_config_path
-
     cfg = ssh_config_path(getattr(opts, "ssh_config", None), selection.ssh_config if selection else None, environ)
     remote = [h for h in hosts if not is_local(h.host)]
     found = reachable(remote, cfg, TIMEOUT_S if timeout is None else timeout)
@@ -50,8 +51,6 @@ def check_hosts(opts, selection, hosts: Sequence, environ: Optional[Mapping[str,
 
 def slurm_nodes(srun: str, nodes: Sequence[str], timeout: float) -> dict[str, str]:
     """A one-task step on every node at once; {node: why} for each one where it did not run."""
-    from dtrun.launcher.safe import plain_text
-
     procs = {}
     bad: dict[str, str] = {}
     for node in nodes:
@@ -63,8 +62,6 @@ def slurm_nodes(srun: str, nodes: Sequence[str], timeout: float) -> dict[str, st
                                            stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
             bad[node] = f"cannot run {srun}: {exc.strerror}"
-    import time
-
     deadline = time.monotonic() + timeout
     for node, p in procs.items():
         try:
@@ -80,8 +77,6 @@ def slurm_nodes(srun: str, nodes: Sequence[str], timeout: float) -> dict[str, st
 
 
 def _kill(p: subprocess.Popen) -> None:
-    import signal
-
     try:
         os.killpg(p.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from typing import Optional, TextIO
 
 from dtrun.checks.errors import HostKeyChanged, HostKeyRevoked, HostKeyUnknown
+from dtrun.checks.fanout import fan_out
+from dtrun.checks.knownhosts import describe_key, known_host_keys, verify_host_key
+from dtrun.checks.ssh import handshake, tcp_connect
+from dtrun.checks.sshlib import import_paramiko
+from dtrun.checks.sshtarget import load_ssh_config, ssh_config_path, ssh_target
 from dtrun.launcher.errors import ExitCode, UsageError
+from dtrun.launcher.hostfile import parse_host_list
+from dtrun.launcher.hosts import is_local, resolve_hosts
+from dtrun.launcher.safe import seconds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,10 +37,7 @@ class KeyscanSpec:
 
 def fetch_key(target, timeout: float):
     """The host key ``target`` presents (negotiation only; no authentication is attempted)."""
-    from dtrun.checks.ssh import handshake, import_paramiko, tcp_connect
-
     paramiko = import_paramiko()
-
     sock = tcp_connect(target, timeout)
     transport = paramiko.Transport(sock)
     try:
@@ -63,9 +68,7 @@ def append_known_host(path: str, line: str) -> None:
 
 
 def _names(spec: KeyscanSpec):
-    from dtrun.launcher.hostfile import parse_host_list
-    from dtrun.launcher.hosts import resolve_hosts
-
+    """The hosts to scan: the arguments, or those the host options select (with the selection)."""
     if spec.hosts:
         if spec.host_list or spec.hostfile or spec.cluster:
             raise UsageError("give hosts either as arguments or with -H/--hostfile/--cluster, not both")
@@ -91,18 +94,14 @@ def ask(question: str, stdin: Optional[TextIO], out: TextIO) -> bool:
 
 def keyscan(spec: KeyscanSpec, stdin: Optional[TextIO] = None, out: Optional[TextIO] = None) -> int:
     """Fetch, show and (after confirmation) record each host's key; 0 when every host ends up known."""
-    from dtrun.checks import ssh
-    from dtrun.launcher.hosts import is_local
-    from dtrun.launcher.safe import seconds
-
     stdin = sys.stdin if stdin is None else stdin
     out = sys.stdout if out is None else out
     seconds(spec.timeout, "--timeout")
     selection, hosts = _names(spec)
-    cfg_path = ssh.ssh_config_path(spec.ssh_config, selection.ssh_config if selection else None)
-    config = ssh.load_ssh_config(cfg_path)
-    targets = [ssh.ssh_target(h, config, cfg_path) for h in hosts if not is_local(h.host)]
-    keys = ssh.fan_out(targets, lambda t: fetch_key(t, spec.timeout))
+    cfg_path = ssh_config_path(spec.ssh_config, selection.ssh_config if selection else None)
+    config = load_ssh_config(cfg_path)
+    targets = [ssh_target(h, config, cfg_path) for h in hosts if not is_local(h.host)]
+    keys = fan_out(targets, lambda t: fetch_key(t, spec.timeout))
     code = ExitCode.OK
     for t in targets:
         if t.name in keys.failed:
@@ -111,11 +110,11 @@ def keyscan(spec: KeyscanSpec, stdin: Optional[TextIO] = None, out: Optional[Tex
             code = ExitCode.FAILED
             continue
         key = keys.ok[t.name]
-        known_file, known = ssh.known_host_keys(t)
+        known_file, known = known_host_keys(t)
         where = f"{t.name} ({t.known_hosts_name})"
         try:
-            ssh.verify_host_key(t, key, known_file, known)
-            print(f"{where}: {ssh.describe_key(key)} already in {known_file}", file=out)
+            verify_host_key(t, key, known_file, known)
+            print(f"{where}: {describe_key(key)} already in {known_file}", file=out)
             continue
         except (HostKeyChanged, HostKeyRevoked) as exc:
             print(f"{t.name}: {exc.detail}; keyscan does not replace recorded keys. {exc.fix}", file=out)
@@ -124,7 +123,7 @@ def keyscan(spec: KeyscanSpec, stdin: Optional[TextIO] = None, out: Optional[Tex
         except HostKeyUnknown:
             pass
         dest = t.known_hosts[0]
-        print(f"{where}: {ssh.describe_key(key)} — not yet known", file=out)
+        print(f"{where}: {describe_key(key)} — not yet known", file=out)
         if not (spec.yes or ask(f"add this key for {t.known_hosts_name} to {dest}? [y/N] ", stdin, out)):
             print(f"{t.name}: not added", file=out)
             code = ExitCode.FAILED

@@ -16,6 +16,8 @@ from typing import Mapping, Optional, Sequence, Union
 
 from dtrun.checks.probereport import ProbeReport, probe_report
 from dtrun.checks.result import FAIL, OK, WARN, Finding
+from dtrun.launcher import command as cmd
+from dtrun.launcher.flavors import OPENMPI, Flavor
 from dtrun.launcher.interfaces import VIRTUAL, Interface, local_interfaces, parse_ip_json
 
 CHECK = "network"
@@ -84,9 +86,6 @@ class Recommendation:
 
 def openmpi_include_args(cidr: str, flavor) -> list[str]:
     """The include flags dtrun itself emits (launcher.command), so the advice matches the launch."""
-    from dtrun.launcher import command as cmd
-    from dtrun.launcher.flavors import OPENMPI, Flavor
-
     flavor = flavor or Flavor(OPENMPI, (5, 0, 0))
     spec = cmd.LaunchSpec(program=("true",), hosts=(), np=1, include_iface=(cidr,), iface_reason="doctor")
     return [a for g in cmd.iface_groups_openmpi(spec, flavor) for a in g.args]

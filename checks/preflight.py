@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import ipaddress
 import json
 import os
 import secrets
@@ -26,8 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from dtrun.checks.errors import CheckError, PreflightError
+from dtrun.checks.errors import CheckError, PreflightError, SshProtocolError
 from dtrun.checks.result import FAIL, Finding
+from dtrun.launcher import safe
+from dtrun.launcher.errors import InvalidValue
+from dtrun.launcher.hosts import is_local
+from dtrun.launcher.netinfo import InterfaceChoice
+from dtrun.launcher.paths import cache_dir as dtrun_cache
 
 CACHE_TTL_S = 300.0
 CLOCK_SKEW_S = 60.0  # a cache entry stamped later than this from now was not written by this clock
@@ -50,8 +56,6 @@ class PreflightResult:
 
 
 def _cache_dir() -> Path:
-    from dtrun.launcher.paths import cache_dir as dtrun_cache
-
     return dtrun_cache() / "preflight"
 
 
@@ -103,10 +107,6 @@ def _is_str(value) -> bool:
 
 def _subnet(value: str) -> "ipaddress.IPv4Network":
     """A subnet as the preflight writes one: IPv4 CIDR in its normal form (``10.0.0.0/24``)."""
-    import ipaddress
-
-    from dtrun.launcher import safe
-
     if not _is_str(value) or "/" not in value or safe.iface(value, "include") != value:
         raise BadCacheEntry(f"include {value!r} is not a subnet in CIDR form")
     net = ipaddress.ip_network(value)
@@ -116,8 +116,6 @@ def _subnet(value: str) -> "ipaddress.IPv4Network":
 
 
 def _iface_name(value) -> str:
-    from dtrun.launcher import safe
-
     try:
         if _is_str(value) and "/" not in value and safe.iface(value, "interface") == value:
             return value
@@ -141,8 +139,6 @@ def validate_entry(data, remote_hosts: Optional[tuple] = None, local_ifaces=None
     Hydra's -iface), so each one must pass the grammar the command line itself uses, and
     the subnet must be one that every host listed has an address on.
     """
-    from dtrun.launcher.errors import InvalidValue
-
     if not isinstance(data, dict) or set(data) != {"time", "include", "nccl", "host_ifaces"}:
         raise BadCacheEntry("not a preflight result dtrun wrote")
     _check_age(data["time"], now)
@@ -182,8 +178,6 @@ def _check_age(stamp, now: Optional[float]) -> None:
 
 def _host_ifaces(rows) -> list[tuple[str, tuple]]:
     """[(host, ((interface, address/prefix), ...)), ...] from the entry's ``host_ifaces``, each value checked."""
-    import ipaddress
-
     if not isinstance(rows, list):
         raise BadCacheEntry("host_ifaces is not a list")
     host_ifaces = []
@@ -204,8 +198,6 @@ def _host_ifaces(rows) -> list[tuple[str, tuple]]:
 
 def _check_subnet_and_nccl(include: str, net, nccl, host_ifaces, local_ifaces) -> None:
     """The subnet is on every host listed and on this one; NCCL_SOCKET_IFNAME names its interfaces."""
-    import ipaddress
-
     on_it = set()
     for host, items in host_ifaces:
         here = {name for name, a in items if ipaddress.ip_interface(a).ip in net}
@@ -270,12 +262,11 @@ def write_cache(key: str, result: PreflightResult) -> None:
 
 def check(hosts, ssh_config: Optional[str], timeout: float = TIMEOUT_S) -> PreflightResult:
     """SSH to every remote host and pick the shared subnet; never raises for a host's problem."""
-    from dtrun.checks import network, ssh
-    from dtrun.launcher.hosts import is_local
+    from dtrun.checks import network, ssh, sshtarget  # lazy: multi-host launches only; every launch imports this module
 
-    config = ssh.load_ssh_config(ssh_config)
+    config = sshtarget.load_ssh_config(ssh_config)
     remote = [h for h in hosts if not is_local(h.host)]
-    targets = [ssh.ssh_target(h, config, ssh_config) for h in remote]
+    targets = [sshtarget.ssh_target(h, config, ssh_config) for h in remote]
     conns = ssh.connect_all(targets, timeout)
     findings, ifaces, reached = conns.findings("ssh"), {}, {}
     for name, conn in conns.ok.items():
@@ -305,10 +296,9 @@ def check(hosts, ssh_config: Optional[str], timeout: float = TIMEOUT_S) -> Prefl
 
 def _ssh_banner(target, timeout: float) -> str:
     """Connect to the host's sshd and read its banner line: the cheap proof that it is alive."""
-    from dtrun.checks import ssh
-    from dtrun.checks.errors import SshProtocolError
+    from dtrun.checks.ssh import tcp_connect  # lazy: multi-host launches only; every launch imports this module
 
-    sock = ssh.tcp_connect(target, timeout)
+    sock = tcp_connect(target, timeout)
     try:
         sock.settimeout(timeout)
         data = b""
@@ -332,18 +322,15 @@ def _ssh_banner(target, timeout: float) -> str:
 
 def reachable(hosts, ssh_config: Optional[str], timeout: float = TIMEOUT_S) -> tuple[Finding, ...]:
     """A finding for every remote host whose sshd does not answer within ``timeout`` (all in parallel)."""
-    from dtrun.checks import ssh
-    from dtrun.launcher.hosts import is_local
+    from dtrun.checks import fanout, sshtarget  # lazy: multi-host launches and failed jobs only; every launch imports this module
 
-    config = ssh.load_ssh_config(ssh_config)
-    targets = [ssh.ssh_target(h, config, ssh_config) for h in hosts if not is_local(h.host)]
-    return tuple(ssh.fan_out(targets, lambda t: _ssh_banner(t, timeout)).findings("ssh"))
+    config = sshtarget.load_ssh_config(ssh_config)
+    targets = [sshtarget.ssh_target(h, config, ssh_config) for h in hosts if not is_local(h.host)]
+    return tuple(fanout.fan_out(targets, lambda t: _ssh_banner(t, timeout)).findings("ssh"))
 
 
 def choice_of(result: PreflightResult):
     """The interface choice a passing result makes (``launcher.netinfo.InterfaceChoice``), or None."""
-    from dtrun.launcher.netinfo import InterfaceChoice
-
     if not result.include and not result.host_ifaces:
         return None
     reason = f"subnet {result.include} shared by all hosts, found by the preflight" if result.include else ""
@@ -358,14 +345,12 @@ def preflight(opts, selection, flavor, environ: Optional[Mapping[str, str]] = No
     Raises:
         PreflightError: a host cannot be reached over ssh without a prompt (the finding is printed).
     """
-    from dtrun.checks.ssh import ssh_config_path
+    from dtrun.checks.sshtarget import ssh_config_path  # lazy: multi-host launches only; every launch imports this module
+    from dtrun.launcher.interfaces import local_interfaces  # lazy: multi-host launches only; every launch imports this module
 
     environ = os.environ if environ is None else environ
     cfg = ssh_config_path(opts.ssh_config, selection.ssh_config, environ)
     key = cache_key(selection.hosts, cfg)
-    from dtrun.launcher.hosts import is_local
-    from dtrun.launcher.interfaces import local_interfaces
-
     remote = tuple(h.host for h in selection.hosts if not is_local(h.host))
     result = read_cache(key, remote_hosts=remote, local_ifaces=local_interfaces,
                         note=lambda text: print(f"dtrun: {text}", file=sys.stderr))

@@ -1,338 +1,40 @@
 """One SSH connection per host, opened the way OpenSSH would, with every failure told apart.
 
-``ssh_target`` reads the ssh config (Host/HostName/User/Port/IdentityFile/
-IdentitiesOnly/UserKnownHostsFile/HostKeyAlias) into a frozen ``SshTarget``;
-``connect`` then resolves the name, opens TCP to the port, negotiates, checks
-the host key against known_hosts and authenticates with keys only, each step
-under its own timeout, and raises one ``checks.errors`` exception naming the
-cause and the fix. Unknown host keys are rejected and changed ones reported
-loudly; nothing here ever accepts a host key or turns checking off.
+Given an ``SshTarget`` (``checks/sshtarget.py``: the ssh config already read), ``connect``
+resolves the name, opens TCP to the port, negotiates, checks the host key against
+known_hosts (``checks/knownhosts.py``) and authenticates with keys only, each step under
+its own timeout, and raises one ``checks.errors`` exception naming the cause and the fix.
 
-paramiko is imported inside the functions that need it, through ``import_paramiko``.
+paramiko is imported inside the functions that need it, through ``checks.sshlib.import_paramiko``.
 """
 from __future__ import annotations
 
 import errno
 import os
+import select
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Sequence
 
 from dtrun.checks.errors import (
     AuthenticationError,
     CheckTimeout,
     ConnectRefused,
     ConnectTimeout,
-    HostKeyChanged,
-    HostKeyRevoked,
-    HostKeyUnknown,
     HostUnreachable,
     NameNotResolved,
     RemoteCommandError,
     SshProtocolError,
 )
+from dtrun.checks.fanout import fan_out
+from dtrun.checks.knownhosts import describe_key, known_host_keys, prefer_known_types, verify_host_key
+from dtrun.checks.sshlib import import_paramiko
+from dtrun.checks.sshtarget import DEFAULT_IDENTITIES, SshTarget
 
 DEFAULT_TIMEOUT_S = 5.0
-DEFAULT_KNOWN_HOSTS = ("~/.ssh/known_hosts", "~/.ssh/known_hosts2")
-GLOBAL_KNOWN_HOSTS = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2")
-DEFAULT_IDENTITIES = ("~/.ssh/id_ed25519", "~/.ssh/id_ecdsa", "~/.ssh/id_rsa")
 
-
-@dataclass(frozen=True)
-class SshTarget:
-    """Where and as whom to connect for one host of the job, after the ssh config."""
-
-    name: str  # as the user wrote it (-H, hostfile)
-    hostname: str  # after HostName
-    port: int = 22
-    user: str = ""
-    identity_files: tuple[str, ...] = ()
-    identities_only: bool = False
-    known_hosts: tuple[str, ...] = DEFAULT_KNOWN_HOSTS
-    global_known_hosts: tuple[str, ...] = GLOBAL_KNOWN_HOSTS
-    host_key_alias: Optional[str] = None
-    config: Optional[str] = None  # the ssh config file used, for messages and fixes
-
-    @property
-    def known_hosts_name(self) -> str:
-        """The name OpenSSH files this host's key under: HostKeyAlias, else HostName, with [ ]:port."""
-        name = self.host_key_alias or self.hostname
-        return name if self.port == 22 else f"[{name}]:{self.port}"
-
-    @property
-    def where(self) -> str:
-        """"h3 (10.0.0.3:22)": the name the user knows and where it leads."""
-        return f"{self.name} ({self.hostname}:{self.port})"
-
-
-def import_paramiko():
-    """paramiko, without the 80 ms import of invoke that paramiko.config makes only for ``Match exec``.
-
-    dtrun does not evaluate ``Match exec`` (``ssh_target`` says so if a config uses it), so
-    ``import invoke`` is made to fail while paramiko loads, which paramiko.config tolerates.
-    """
-    if "paramiko" in sys.modules or "invoke" in sys.modules:
-        import paramiko
-
-        return paramiko
-    sys.modules["invoke"] = None  # type: ignore[assignment]  # import invoke -> ImportError
-    try:
-        import paramiko
-    finally:
-        del sys.modules["invoke"]  # anyone else importing invoke later gets the real one
-    # paramiko's transport threads log their own failures (a closed socket after a handshake that
-    # timed out prints a traceback through logging's last-resort handler); dtrun reports each one itself.
-    import logging
-
-    logging.getLogger("paramiko").addHandler(logging.NullHandler())
-    return paramiko
-
-
-def default_ssh_config() -> Optional[str]:
-    path = os.path.expanduser("~/.ssh/config")
-    return path if os.path.isfile(path) else None
-
-
-def ssh_config_path(given: Optional[str], from_cluster_file: Optional[str] = None, environ=None) -> Optional[str]:
-    """The launch's rule (``launcher.sshconf.base_ssh_config``), else ~/.ssh/config.
-
-    Raises:
-        UsageError: an empty --ssh-config, or the file named does not exist.
-    """
-    from dtrun.launcher.sshconf import base_ssh_config
-
-    return base_ssh_config(given, from_cluster_file, os.environ if environ is None else environ) \
-        or default_ssh_config()
-
-
-def load_ssh_config(path: Optional[str]):
-    """A ``paramiko.SSHConfig`` for ``path`` (an empty one for None)."""
-    paramiko = import_paramiko()
-
-    from dtrun.launcher.errors import UsageError
-
-    if not path:
-        return paramiko.SSHConfig()
-    try:
-        with open(path, "rb") as f:
-            data = f.read(4 << 20)
-        text = data.decode("utf-8")
-        if "\0" in text:
-            raise UnicodeDecodeError("utf-8", data, text.index("\0"), text.index("\0") + 1, "NUL byte")
-        return paramiko.SSHConfig.from_text(text)
-    except OSError as exc:
-        raise UsageError(f"ssh config {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"ssh config {path}: not a text file (binary content); give an OpenSSH client config") from None
-    except (paramiko.SSHException, ValueError, IndexError) as exc:  # ConfigParseError: e.g. a bare ProxyJump
-        raise UsageError(f"ssh config {path}: cannot parse it ({exc}); `ssh -G -F {path} HOST` shows what OpenSSH "
-                         f"makes of it") from None
-
-
-def ssh_target(host, config=None, config_path: Optional[str] = None) -> SshTarget:
-    """Resolve one ``HostSlots`` (or a bare name) through a parsed ssh config.
-
-    Settings a cluster file gives for the host (user, port, identity_file) win over
-    the ssh config, as they do in the config dtrun writes for mpirun.
-    """
-    name = getattr(host, "host", host)
-    from dtrun.launcher.errors import UsageError
-
-    try:
-        opts = config.lookup(name) if config is not None else {}
-    except ImportError:  # paramiko needs invoke for 'Match exec'
-        raise UsageError(f"ssh config {config_path}: 'Match exec' is not supported by dtrun's ssh checks") from None
-    except (ValueError, KeyError, TypeError, IndexError) as exc:  # paramiko on values it cannot expand
-        raise UsageError(f"ssh config {config_path}: cannot read the settings for {name} ({exc})") from None
-    user = getattr(host, "user", None) or opts.get("user") or _local_user()
-    port_text = str(getattr(host, "port", None) or opts.get("port") or 22)
-    if not port_text.isascii() or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise UsageError(f"ssh config {config_path}: Port {port_text!r} for {name} is not a port number (1-65535)")
-    port = int(port_text)
-    ids = opts.get("identityfile", ())
-    ids = tuple(ids) if isinstance(ids, (list, tuple)) else (str(ids),)
-    own = getattr(host, "identity_file", None)
-    if own:
-        ids = (own,) + ids
-    known = tuple(opts["userknownhostsfile"].split()) if opts.get("userknownhostsfile") else DEFAULT_KNOWN_HOSTS
-    known_global = (tuple(opts["globalknownhostsfile"].split()) if opts.get("globalknownhostsfile")
-                    else GLOBAL_KNOWN_HOSTS)
-    return SshTarget(
-        name=name,
-        hostname=opts.get("hostname") or name,
-        port=port,
-        user=user,
-        identity_files=tuple(os.path.expanduser(i) for i in ids),
-        identities_only=str(opts.get("identitiesonly", "no")).lower() == "yes",
-        known_hosts=tuple(os.path.expanduser(k) for k in known),
-        global_known_hosts=tuple(os.path.expanduser(k) for k in known_global),
-        host_key_alias=opts.get("hostkeyalias"),
-        config=config_path,
-    )
-
-
-def _local_user() -> str:
-    import getpass
-
-    return getpass.getuser()
-
-
-def fingerprint(key) -> str:
-    """OpenSSH's ``SHA256:...`` fingerprint of a paramiko key."""
-    return key.fingerprint
-
-
-def describe_key(key) -> str:
-    return f"{key.get_name()} {fingerprint(key)}"
-
-
-# ---- known_hosts -------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class KnownHostsFile:
-    """One known_hosts file as OpenSSH reads it: plain entries, ``@revoked`` keys, and lines skipped."""
-
-    keys: object  # paramiko.HostKeys
-    revoked: tuple = ()  # (name patterns, key)
-    skipped: tuple[str, ...] = ()  # "path:line: why" for lines not understood
-
-
-def read_known_hosts(path: str) -> KnownHostsFile:
-    """Parse ``path`` line by line; a line that cannot be read is skipped (as OpenSSH does), never fatal.
-
-    ``@cert-authority`` lines are skipped with a note (dtrun does not verify host
-    certificates); ``@revoked`` keys are kept so that a host presenting one is refused.
-    """
-    paramiko = import_paramiko()
-    from paramiko.hostkeys import HostKeyEntry
-
-    keys, revoked, skipped = paramiko.HostKeys(), [], []
-    try:
-        with open(path, "rb") as f:
-            data = f.read(16 << 20)
-    except OSError:
-        return KnownHostsFile(keys)
-    for lineno, raw in enumerate(data.splitlines(), 1):
-        line = raw.decode("utf-8", "replace").strip()
-        if not line or line.startswith("#"):
-            continue
-        marker = None
-        if line.startswith("@"):
-            marker, _, line = line.partition(" ")
-            line = line.strip()
-        try:
-            entry = HostKeyEntry.from_line(line, lineno)
-        except Exception:  # noqa: BLE001 - paramiko raises SSHException, InvalidHostKey, ValueError,
-            entry = None  # OverflowError, ... on damaged key data; OpenSSH skips such lines, and so does dtrun
-        if entry is None:
-            skipped.append(f"{path}:{lineno}: not a known_hosts entry dtrun can read")
-            continue
-        if marker == "@revoked":
-            revoked.append((tuple(entry.hostnames), entry.key))
-        elif marker == "@cert-authority":
-            skipped.append(f"{path}:{lineno}: @cert-authority (host certificates are not checked by dtrun)")
-        elif marker is not None:
-            skipped.append(f"{path}:{lineno}: unknown marker {marker}")
-        else:
-            for h in entry.hostnames:
-                keys.add(h, entry.key.get_name(), entry.key)
-    return KnownHostsFile(keys, tuple(revoked), tuple(skipped))
-
-
-def _name_matches(name: str, patterns) -> bool:
-    """OpenSSH's host-pattern match for a known_hosts line: hashed names, wildcards, '!' negation."""
-    import fnmatch
-
-    paramiko = import_paramiko()
-    hit = False
-    for p in patterns:
-        if p.startswith("|1|"):
-            try:
-                if paramiko.HostKeys.hash_host(name, p) == p:
-                    hit = True
-            except (ValueError, TypeError, IndexError):  # a damaged hash: no match
-                continue
-        elif p.startswith("!"):
-            if fnmatch.fnmatchcase(name, p[1:]):
-                return False
-        elif fnmatch.fnmatchcase(name, p):
-            hit = True
-    return hit
-
-
-def revoked_key_file(target: SshTarget, key) -> Optional[str]:
-    """The known_hosts file that marks ``key`` ``@revoked`` for this host, if one does."""
-    for path in target.known_hosts + target.global_known_hosts:
-        for patterns, bad in read_known_hosts(path).revoked:
-            if bad == key and _name_matches(target.known_hosts_name, patterns):
-                return path
-    return None
-
-
-def known_host_keys(target: SshTarget):
-    """(file, {keytype: key}) of the first known_hosts file that lists the host, else (None, {})."""
-    name = target.known_hosts_name
-    for path in target.known_hosts + target.global_known_hosts:
-        if not os.path.isfile(path):
-            continue
-        found = read_known_hosts(path).keys.lookup(name)
-        if found:
-            return path, {k: found[k] for k in found.keys()}
-    return None, {}
-
-
-def _prefer_known_types(transport, known: dict) -> None:
-    """Ask for a host key type we already know (as OpenSSH and paramiko's SSHClient do)."""
-    if not known:
-        return
-    opts = transport.get_security_options()
-    wanted = []
-    for kt in known:
-        wanted += ["rsa-sha2-512", "rsa-sha2-256", "ssh-rsa"] if kt == "ssh-rsa" else [kt]
-    offered = list(opts.key_types)
-    first = [k for k in wanted if k in offered]
-    opts.key_types = first + [k for k in offered if k not in first]
-
-
-def verify_host_key(target: SshTarget, server_key, known_file: Optional[str], known: dict) -> None:
-    """Raise HostKeyUnknown / HostKeyChanged unless ``server_key`` is recorded for the host."""
-    keyscan = "dtrun keyscan" + (f" --ssh-config {target.config}" if target.config else "") + f" {target.name}"
-    revoked_in = revoked_key_file(target, server_key)
-    if revoked_in:
-        raise HostKeyRevoked(
-            target.name,
-            f"{target.known_hosts_name} presents {describe_key(server_key)}, which {revoked_in} marks @revoked; "
-            f"dtrun will not connect",
-            f"the host must get a new host key; ask its administrator (the revoked key may have been stolen)",
-        )
-    if not known:
-        files = ", ".join(target.known_hosts)
-        raise HostKeyUnknown(
-            target.name,
-            f"host key of {target.known_hosts_name} ({describe_key(server_key)}) is not in {files}; "
-            f"ssh and mpirun would stop at a yes/no prompt or refuse",
-            f"check the fingerprint with the host's administrator, then run `{keyscan}`",
-        )
-    recorded = known.get(server_key.get_name())
-    if recorded is None and len(known) == 1 and server_key.get_name().startswith("ssh-rsa"):
-        recorded = next(iter(known.values()))
-    if recorded is not None and recorded == server_key:
-        return
-    old = recorded if recorded is not None else next(iter(known.values()))
-    raise HostKeyChanged(
-        target.name,
-        f"HOST KEY CHANGED: {target.known_hosts_name} presents {describe_key(server_key)} but {known_file} "
-        f"records {describe_key(old)} — someone may be intercepting the connection, or the host was reinstalled; "
-        f"dtrun will not connect",
-        f"verify the new key out of band; only if the host was really reinstalled, remove the old entry "
-        f"(ssh-keygen -R '{target.known_hosts_name}' -f {known_file}) and run `{keyscan}`",
-    )
-
-
-# ---- connecting --------------------------------------------------------------------------------
 
 def resolve(target: SshTarget, timeout: float) -> list:
     """getaddrinfo under a timeout (a dead DNS server must not hold the host's slot forever)."""
@@ -505,8 +207,7 @@ class SshConnection:
 
 
 def read_until_exit(chan, deadline: float, host: str) -> tuple[bytes, bytes]:
-    import select
-
+    """Read a channel's stdout and stderr until the command exits, or raise CheckTimeout at ``deadline``."""
     out, err = bytearray(), bytearray()
     while True:
         while chan.recv_ready():
@@ -582,7 +283,7 @@ def connect(target: SshTarget, timeout: float = DEFAULT_TIMEOUT_S) -> SshConnect
     ok = False
     try:
         transport.auth_timeout = timeout
-        _prefer_known_types(transport, known)
+        prefer_known_types(transport, known)
         server_key = handshake(transport, target, timeout)
         verify_host_key(target, server_key, known_file, known)
         t_kex = time.monotonic()
@@ -594,32 +295,6 @@ def connect(target: SshTarget, timeout: float = DEFAULT_TIMEOUT_S) -> SshConnect
     t_auth = time.monotonic()
     return SshConnection(target, transport, label, describe_key(server_key),
                          {"tcp": t_tcp - t0, "kex": t_kex - t_tcp, "auth": t_auth - t_kex, "total": t_auth - t0})
-
-
-def fan_out(items: Sequence, work, workers: int = 32, key=lambda item: item.name):
-    """``work(item)`` for every item (a target, a host) in parallel, never stopping at a failure.
-
-    Returns:
-        ``HostResults``: ``ok`` holds each result and ``failed`` each ``CheckError`` raised,
-        keyed by ``key(item)`` (the host's name).
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    from dtrun.checks.errors import CheckError
-    from dtrun.checks.result import HostResults
-
-    def one(item):
-        try:
-            return True, work(item)
-        except CheckError as exc:
-            return False, exc
-
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(items)))) as pool:
-        answers = list(pool.map(one, items))
-    ok, failed = {}, {}
-    for item, (fine, value) in zip(items, answers):
-        (ok if fine else failed)[key(item)] = value
-    return HostResults(ok, failed)
 
 
 def connect_all(targets: Sequence[SshTarget], timeout: float):

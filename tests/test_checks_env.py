@@ -2,7 +2,7 @@
 import pytest
 
 from dtrun.checks import e2e, env, gpu
-from dtrun.checks.doctor import radix_parent, ssh_pair_findings, tree_spawn_pairs
+from dtrun.checks.treespawn import radix_parent, ssh_pair_findings, tree_spawn_pairs
 from dtrun.checks.result import FAIL, NA, OK, WARN, Finding, worst
 
 VENV = "/opt/venv/bin"

@@ -10,7 +10,7 @@ import time
 import paramiko
 import pytest
 
-from dtrun.checks import keyscan, preflight, probe, ssh
+from dtrun.checks import keyscan, knownhosts, preflight, probesession, sshtarget
 from dtrun.checks.errors import CheckTimeout, HostKeyChanged, HostKeyUnknown
 from dtrun.launcher.hostfile import HostSlots
 
@@ -33,36 +33,36 @@ def config(text=CONFIG):
 
 
 def test_ssh_target_follows_the_config():
-    t = ssh.ssh_target("h1", config(), "/cfg")
+    t = sshtarget.ssh_target("h1", config(), "/cfg")
     assert (t.name, t.hostname, t.port, t.user) == ("h1", "10.0.0.11", 2222, "alice")
     assert t.identity_files == (os.path.expanduser("~/keys/id_h1"),) and t.identities_only
     assert t.known_hosts == ("/tmp/kh1", "/tmp/kh2") and t.global_known_hosts == ("/dev/null",)
     assert t.known_hosts_name == "[10.0.0.11]:2222"
     assert t.where == "h1 (10.0.0.11:2222)"
-    h2 = ssh.ssh_target("h2", config())
+    h2 = sshtarget.ssh_target("h2", config())
     assert h2.known_hosts_name == "cluster-h2" and h2.port == 22
-    assert h2.known_hosts == tuple(os.path.expanduser(p) for p in ssh.DEFAULT_KNOWN_HOSTS)
+    assert h2.known_hosts == tuple(os.path.expanduser(p) for p in sshtarget.DEFAULT_KNOWN_HOSTS)
 
 
 def test_cluster_file_settings_win_over_the_config():
-    t = ssh.ssh_target(HostSlots("h1", 2, user="ops", port=2200, identity_file="/k/ops"), config())
+    t = sshtarget.ssh_target(HostSlots("h1", 2, user="ops", port=2200, identity_file="/k/ops"), config())
     assert (t.user, t.port, t.identity_files[0]) == ("ops", 2200, "/k/ops")
 
 
 def test_host_key_verdicts(tmp_path):
     key, other = paramiko.ECDSAKey.generate(), paramiko.ECDSAKey.generate()
-    target = ssh.SshTarget("h1", "10.0.0.11", known_hosts=(str(tmp_path / "kh"),), global_known_hosts=(),
+    target = sshtarget.SshTarget("h1", "10.0.0.11", known_hosts=(str(tmp_path / "kh"),), global_known_hosts=(),
                            config="/cfg")
     with pytest.raises(HostKeyUnknown) as unknown:
-        ssh.verify_host_key(target, key, None, {})
+        knownhosts.verify_host_key(target, key, None, {})
     assert key.fingerprint in unknown.value.detail
     assert unknown.value.fix.endswith("`dtrun keyscan --ssh-config /cfg h1`")
     (tmp_path / "kh").write_text(keyscan.known_hosts_line("10.0.0.11", key))
-    known_file, known = ssh.known_host_keys(target)
+    known_file, known = knownhosts.known_host_keys(target)
     assert known_file == str(tmp_path / "kh")
-    ssh.verify_host_key(target, key, known_file, known)  # matches: no exception
+    knownhosts.verify_host_key(target, key, known_file, known)  # matches: no exception
     with pytest.raises(HostKeyChanged) as changed:
-        ssh.verify_host_key(target, other, known_file, known)
+        knownhosts.verify_host_key(target, other, known_file, known)
     text = changed.value.detail
     assert text.startswith("HOST KEY CHANGED") and other.fingerprint in text and key.fingerprint in text
     assert "ssh-keygen -R '10.0.0.11'" in changed.value.fix
@@ -84,14 +84,14 @@ def test_keyscan_asks_and_takes_only_yes():
 
 
 def test_boot_command_quotes_the_path_and_is_otherwise_fixed():
-    cmd = probe.boot_command("/opt/my env/bin/python'; rm -rf /")
+    cmd = probesession.boot_command("/opt/my env/bin/python'; rm -rf /")
     assert "'/opt/my env/bin/python'\"'\"'; rm -rf /'" in cmd
-    assert probe.boot_command("/x/python").replace("/x/python", "P") == probe.boot_command("/y/python").replace("/y/python", "P")
+    assert probesession.boot_command("/x/python").replace("/x/python", "P") == probesession.boot_command("/y/python").replace("/y/python", "P")
 
 
 def run_probe_via_shell(job_python, path, request):
     """The probe as a remote shell would start it: `sh -c BOOT_LINE` with the source on stdin."""
-    p = subprocess.run(["/bin/sh", "-c", probe.boot_command(job_python)], input=probe.probe_input(request),
+    p = subprocess.run(["/bin/sh", "-c", probesession.boot_command(job_python)], input=probesession.probe_input(request),
                        capture_output=True, timeout=30, env={"PATH": path, "HOME": "/root"})
     return p.returncode, p.stdout, p.stderr
 
@@ -111,7 +111,7 @@ def test_probe_falls_back_to_system_python_on_a_broken_path():
 def test_local_probe_reports_and_connects():
     req = {"paths": {"python": sys.executable, "cwd": os.getcwd(), "program": "/nonexistent.py"},
            "launch_path": os.environ["PATH"], "listen": True}
-    p = probe.LocalProbe("localhost", req)
+    p = probesession.LocalProbe("localhost", req)
     try:
         rep = p.read(30, "probe")
         assert rep["python"]["is_job_python"] and rep["python"]["mpi4py"]
@@ -150,7 +150,7 @@ def test_fan_out_answers_for_every_host_and_never_stops_at_a_failure():
 
     from dtrun.checks.errors import ConnectTimeout
     from dtrun.checks.result import FAIL
-    from dtrun.checks.ssh import fan_out
+    from dtrun.checks.fanout import fan_out
 
     def work(t):
         if t.name.startswith("bad"):

@@ -14,7 +14,7 @@ import time
 import paramiko
 import pytest
 
-from dtrun.checks import keyscan, ssh
+from dtrun.checks import keyscan, knownhosts, sshtarget
 from dtrun.checks.errors import HostKeyChanged, HostKeyRevoked, HostKeyUnknown
 from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, one_line_error, user_env
 
@@ -99,28 +99,28 @@ def test_known_hosts_bad_lines_and_markers(tmp_path):
         f"@revoked * {other.get_name()} {other.get_base64()}\n"
         f"@bogus h1 {ca.get_name()} {ca.get_base64()}\n"
         + keyscan.known_hosts_line("10.0.0.11", key))
-    parsed = ssh.read_known_hosts(str(kh))
+    parsed = knownhosts.read_known_hosts(str(kh))
     assert len(parsed.revoked) == 1 and len(parsed.skipped) == 6, parsed.skipped
     assert any("@cert-authority" in s for s in parsed.skipped)
-    target = ssh.SshTarget("h1", "10.0.0.11", known_hosts=(str(kh),), global_known_hosts=())
-    known_file, known = ssh.known_host_keys(target)
-    ssh.verify_host_key(target, key, known_file, known)  # the good line still counts
+    target = sshtarget.SshTarget("h1", "10.0.0.11", known_hosts=(str(kh),), global_known_hosts=())
+    known_file, known = knownhosts.known_host_keys(target)
+    knownhosts.verify_host_key(target, key, known_file, known)  # the good line still counts
     with pytest.raises(HostKeyRevoked):
-        ssh.verify_host_key(target, other, known_file, known)
+        knownhosts.verify_host_key(target, other, known_file, known)
 
 
 def test_a_revoked_key_is_refused_even_when_also_listed(tmp_path):
     key = paramiko.ECDSAKey.generate()
     kh = tmp_path / "kh"
     kh.write_text(keyscan.known_hosts_line("h1", key) + f"@revoked h1,h2 {key.get_name()} {key.get_base64()}\n")
-    target = ssh.SshTarget("h1", "h1", known_hosts=(str(kh),), global_known_hosts=())
-    known_file, known = ssh.known_host_keys(target)
+    target = sshtarget.SshTarget("h1", "h1", known_hosts=(str(kh),), global_known_hosts=())
+    known_file, known = knownhosts.known_host_keys(target)
     with pytest.raises(HostKeyRevoked) as e:
-        ssh.verify_host_key(target, key, known_file, known)
+        knownhosts.verify_host_key(target, key, known_file, known)
     assert "@revoked" in e.value.detail
-    other = ssh.SshTarget("h3", "h3", known_hosts=(str(kh),), global_known_hosts=())
+    other = sshtarget.SshTarget("h3", "h3", known_hosts=(str(kh),), global_known_hosts=())
     with pytest.raises(HostKeyUnknown):  # the revocation names h1,h2 only
-        ssh.verify_host_key(other, key, *ssh.known_host_keys(other))
+        knownhosts.verify_host_key(other, key, *knownhosts.known_host_keys(other))
 
 
 def test_keyscan_appends_after_a_file_without_final_newline(tmp_path):
@@ -308,6 +308,6 @@ def test_damaged_known_hosts_lines_never_stop_the_good_one(tmp_path):
         lines.append(f"h1 {rng.choice(['ssh-rsa', 'ssh-ed25519', good.get_name()])} {b64}")
     kh = tmp_path / "kh"
     kh.write_text("\n".join(lines) + "\n" + keyscan.known_hosts_line("h1", good))
-    target = ssh.SshTarget("h1", "h1", known_hosts=(str(kh),), global_known_hosts=())
-    known_file, known = ssh.known_host_keys(target)
-    ssh.verify_host_key(target, good, known_file, known)
+    target = sshtarget.SshTarget("h1", "h1", known_hosts=(str(kh),), global_known_hosts=())
+    known_file, known = knownhosts.known_host_keys(target)
+    knownhosts.verify_host_key(target, good, known_file, known)

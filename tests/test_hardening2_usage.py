@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dtrun.checks import doctor, preflight
+from dtrun.checks import doctorreport, preflight
 from dtrun.checks.result import FAIL, OK, WARN, Finding
 from dtrun.launcher.command import build_command, build_groups
 from dtrun.launcher.flavors import MPICH, OPENMPI, Flavor
@@ -171,7 +171,7 @@ def test_the_cache_is_written_private_and_read_back(tmp_path, monkeypatch):
 @pytest.mark.cluster
 def test_dry_run_never_shows_a_poisoned_cached_subnet(cluster3, tmp_path):
     """The reproduction: an `include` of 192.0.2.0/24 planted in the cache was shown as found by the preflight."""
-    from dtrun.checks.ssh import ssh_config_path
+    from dtrun.checks.sshtarget import ssh_config_path
 
     env = user_env(XDG_CACHE_HOME=str(tmp_path))
     hosts = ",".join(f"{h.name}:1" for h in cluster3.hosts)
@@ -276,27 +276,27 @@ def _four_hosts():
 
 def test_identical_findings_on_four_hosts_are_one_group_and_a_differing_one_stays_apart():
     hosts, found = _four_hosts()
-    groups = doctor.group_findings([f for f in found if f.status != OK], {h: i for i, h in enumerate(hosts)})
+    groups = doctorreport.group_findings([f for f in found if f.status != OK], {h: i for i, h in enumerate(hosts)})
     assert [(g.hosts, g.check, g.status) for g in groups] == [
         (tuple(hosts), "env", WARN), (tuple(hosts), "network", WARN), (("hnode3",), "env", FAIL)]
     assert groups[0].detail == "prted is not on each host's non-interactive PATH (/usr/bin:/bin)"
     assert groups[0].fix == "put /venv/bin on PATH for non-interactive shells on each host"
     assert groups[2].fix == "copy it to hnode3 at the same path (rsync -a /x.py hnode3:/x.py)"
-    assert doctor.host_names(hosts) == "hnode[1-4]"
-    assert doctor.host_names(["alpha", "beta"]) == "alpha, beta"
-    assert doctor.host_names(["h1", "h3"]) == "h1, h3"  # no range: a plain list
+    assert doctorreport.host_names(hosts) == "hnode[1-4]"
+    assert doctorreport.host_names(["alpha", "beta"]) == "alpha, beta"
+    assert doctorreport.host_names(["h1", "h3"]) == "h1, h3"  # no range: a plain list
     # a name that is a command's argument is never replaced by "each host"
     cmd = [Finding(h, "env", WARN, "stale", f"ssh {h} rm -rf /tmp/ompi.1") for h in ("h1", "h2")]
-    assert [g.hosts for g in doctor.group_findings(cmd)] == [("h1",), ("h2",)]
+    assert [g.hosts for g in doctorreport.group_findings(cmd)] == [("h1",), ("h2",)]
     # hnode1 is not hnode10
     near = [Finding(h, "env", WARN, f"x on {h}; hnode10 too") for h in ("hnode1", "hnode2")]
-    assert [g.hosts for g in doctor.group_findings(near)] == [("hnode1", "hnode2")]
+    assert [g.hosts for g in doctorreport.group_findings(near)] == [("hnode1", "hnode2")]
 
 
 def test_doctor_text_shows_each_finding_once_and_json_stays_per_host(capsys):
     hosts, found = _four_hosts()
-    report = doctor.DoctorReport(hosts, found, timings={"total": 1.0})
-    doctor.render(report)
+    report = doctorreport.DoctorReport(hosts, found, timings={"total": 1.0})
+    doctorreport.render(report)
     out = capsys.readouterr().out
     blocks = [ln for ln in out.splitlines() if ln[:2] in ("! ", "✗ ")]
     assert blocks == [

@@ -98,7 +98,7 @@ def test_sessiondirs_and_library_modules_load_without_site_packages(tmp_path):
 
 def test_probe_bundle_runs_where_no_copy_of_the_package_exists(tmp_path):
     """What doctor sends to a host: one program, run by ``python3 -c`` from stdin."""
-    from dtrun.checks.probe import boot_command, probe_input
+    from dtrun.checks.probesession import boot_command, probe_input
 
     p = subprocess.run(["sh", "-c", boot_command("/nonexistent/python")], input=probe_input({"gpu": False}),
                        capture_output=True, cwd=tmp_path, timeout=60, env={"PATH": "/usr/bin:/bin"})

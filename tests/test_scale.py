@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from dtrun.checks.doctor import radix_parent, tree_spawn_pairs
+from dtrun.checks.treespawn import radix_parent, tree_spawn_pairs
 from tests.cluster_plugin import skip_if_unavailable
 from tests.dtrun_helpers import dtrun, one_line_error, user_env
 from tests.nscluster import Cluster

@@ -226,11 +226,11 @@ def test_a_remote_daemon_refused_for_a_stale_dir_gets_the_note(cluster3, tmp_pat
 
 def test_the_probe_reports_its_hosts_stale_session_dirs(tmp_path):
     """The doctor's probe, started as on any host (the same program, stdin and JSON), finds them."""
-    from dtrun.checks import probe
+    from dtrun.checks import probesession
 
     stale = make_stale(tmp_path, "prted", dead_pid())
     make_stale(tmp_path, "ompi", os.getpid())
-    p = subprocess.run(["/bin/sh", "-c", probe.boot_command(PYTHON)], input=probe.probe_input({"gpu": False}),
+    p = subprocess.run(["/bin/sh", "-c", probesession.boot_command(PYTHON)], input=probesession.probe_input({"gpu": False}),
                        capture_output=True, timeout=60, env=user_env(TMPDIR=str(tmp_path)))
     assert p.returncode == 0, p.stderr
     rep = json.loads(p.stdout.splitlines()[0])

@@ -1,10 +1,13 @@
-"""Starting the probe (``launcher/remote/probe.py``) on a host and talking to it in JSON lines.
+"""A session with the doctor's probe on one host: starting it and talking to it in JSON lines.
 
-On a remote host the probe runs over the host's existing SSH connection; on this
-machine it runs as a subprocess. Either way it is the same fixed program: the
-command line is built here from constant text and one quoted path (the job's
-Python, tried first so that its mpi4py can be checked in place), and the probe's
-parameters travel as JSON on stdin, never as code or shell text.
+The probe itself, the program that runs on the far host, is ``launcher/remote/probe.py``
+(standard library only, so it runs where dtrun is not installed); its answer is parsed by
+``checks/probereport.py``. This module is the local end in between. On a remote host the
+probe runs over the host's existing SSH connection; on this machine it runs as a
+subprocess. Either way it is the same fixed program: the command line is built here from
+constant text and one quoted path (the job's Python, tried first so that its mpi4py can
+be checked in place), and the probe's parameters travel as JSON on stdin, never as code
+or shell text.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import json
 import os
 import selectors
 import shlex
+import socket
 import subprocess
 import sys
 import tempfile
@@ -104,8 +108,6 @@ class SshProbe(ProbeSession):
             raise RemoteCommandError(self.host, f"the probe's channel closed: {exc}", "") from None
 
     def _recv(self, timeout: float) -> Optional[bytes]:
-        import socket
-
         self.chan.settimeout(timeout)
         try:
             return self.chan.recv(65536)
