@@ -25,6 +25,7 @@ from dtrun.checks.errors import CheckError
 from dtrun.checks.probereport import ProbeReport, probe_report
 from dtrun.checks.result import CHECKS, FAIL, NA, OK, SYMBOL, WARN, Finding, worst
 from dtrun.launcher.errors import ExitCode, UsageError
+from dtrun.launcher.hosts import HostOptions
 
 MAX_WORKERS = 32
 
@@ -33,12 +34,7 @@ MAX_WORKERS = 32
 class DoctorSpec:
     """What ``dtrun doctor`` was asked to do."""
 
-    host_list: Optional[str] = None
-    hostfile: Optional[str] = None
-    cluster: Optional[str] = None
-    include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
-    ssh_config: Optional[str] = None
+    hosts: HostOptions = HostOptions()
     timeout: float = 5.0
     json: bool = False
     all_pairs: bool = False
@@ -190,7 +186,7 @@ def run_doctor(spec: DoctorSpec) -> int:
         seconds(spec.e2e_timeout, "--e2e-timeout")
     if spec.program and not os.path.exists(spec.program):
         raise UsageError(f"--program {spec.program}: no such file on this host")
-    selection = resolve_hosts(spec.host_list, spec.hostfile, spec.cluster, spec.include, spec.exclude)
+    selection = resolve_hosts(spec.hosts)
     report = diagnose(spec, selection, live=not spec.json and sys.stderr.isatty())
     if spec.json:
         import json
@@ -272,7 +268,7 @@ def _prepare(spec: DoctorSpec, selection):
     from dtrun.launcher.sshconf import job_ssh_files
 
     flavor = detect_flavor(find_mpirun())
-    cfg_path = ssh.ssh_config_path(spec.ssh_config, selection.ssh_config)
+    cfg_path = ssh.ssh_config_path(spec.hosts.ssh_config, selection.ssh_config)
     job_ssh_files(selection, cfg_path, openmpi=True)  # the config the job would get must be expressible: check now
     runs = [HostRun(h.host, h.slots, is_local(h.host)) for h in selection.hosts]
     hosts = _Hosts(runs, None if any(r.local for r in runs) else HostRun(network.LAUNCHER, 0, True))

@@ -42,7 +42,7 @@ def check_hosts(opts, selection, hosts: Sequence, environ: Optional[Mapping[str,
     from dtrun.checks.preflight import reachable
     from dtrun.checks.ssh import ssh_config_path
 
-    cfg = ssh_config_path(getattr(opts, "ssh_config", None), selection.ssh_config if selection else None, environ)
+    cfg = ssh_config_path(opts.hosts.ssh_config, selection.ssh_config if selection else None, environ)
     remote = [h for h in hosts if not is_local(h.host)]
     found = reachable(remote, cfg, TIMEOUT_S if timeout is None else timeout)
     return {f.host: f"ssh: {short_reason(f.detail)}" for f in found}

@@ -361,7 +361,7 @@ def preflight(opts, selection, flavor, environ: Optional[Mapping[str, str]] = No
     from dtrun.checks.ssh import ssh_config_path
 
     environ = os.environ if environ is None else environ
-    cfg = ssh_config_path(opts.ssh_config, selection.ssh_config, environ)
+    cfg = ssh_config_path(opts.hosts.ssh_config, selection.ssh_config, environ)
     key = cache_key(selection.hosts, cfg)
     from dtrun.launcher.hosts import is_local
     from dtrun.launcher.interfaces import local_interfaces

@@ -15,7 +15,7 @@ from dtrun.launcher import safe
 from dtrun.launcher.errors import ExitCode, LaunchError, UsageError, signal_exit_code
 from dtrun.launcher.job import stopsignals
 from dtrun.launcher.flavors import Flavor, detect_flavor, find_mpirun
-from dtrun.launcher.hosts import SLURM_SOURCE, HostSelection, all_local, is_local, resolve_hosts, resolve_np
+from dtrun.launcher.hosts import SLURM_SOURCE, HostOptions, HostSelection, all_local, is_local, resolve_hosts, resolve_np
 from dtrun.launcher.netinfo import InterfaceChoice, SharedSubnet, local_address_on
 from dtrun.launcher.paths import new_run_id
 from dtrun.launcher.sshconf import base_ssh_config, job_ssh_files
@@ -49,11 +49,7 @@ class LaunchOptions:
 
     program: tuple[str, ...]
     np: Optional[int | str] = None  # as typed: launcher.safe.count reads it (ASCII digits only)
-    host_list: Optional[str] = None
-    hostfile: Optional[str] = None
-    cluster: Optional[str] = None
-    include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
+    hosts: HostOptions = HostOptions()  # -H, --hostfile, --cluster, --include, --exclude, --ssh-config
     oversubscribe: bool = False
     include_iface: Optional[str] = None
     exclude_iface: Optional[str] = None
@@ -65,7 +61,6 @@ class LaunchOptions:
     nccl_debug: Optional[str] = None
     no_tree_spawn: bool = False
     mpirun: Optional[str] = None
-    ssh_config: Optional[str] = None
     dry_run: bool = False
     rank_wrapper: bool = True
     pin_gpus: bool = False  # CUDA_VISIBLE_DEVICES per local rank, set by the rank wrapper
@@ -219,7 +214,7 @@ def check_usage(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, e
     for flag, value in (("--include-iface", opts.include_iface), ("--exclude-iface", opts.exclude_iface)):
         if value:
             _split_ifaces(value, flag)
-    job_ssh_files(selection, base_ssh_config(opts.ssh_config, selection.ssh_config, environ), flavor.is_openmpi)
+    job_ssh_files(selection, base_ssh_config(opts.hosts.ssh_config, selection.ssh_config, environ), flavor.is_openmpi)
     return np
 
 
@@ -256,7 +251,7 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, env
     if opts.include_iface or opts.exclude_iface:
         local_only = False
     launcher_addr = _launcher_address(flavor, selection, include, local)
-    ssh_files = job_ssh_files(selection, base_ssh_config(opts.ssh_config, selection.ssh_config, environ),
+    ssh_files = job_ssh_files(selection, base_ssh_config(opts.hosts.ssh_config, selection.ssh_config, environ),
                               flavor.is_openmpi)
     tag = opts.tag_output if opts.tag_output is not None else (len(selection.hosts) > 1 and not local_only)
     wrapper = (sys.executable, "-S", RANKEXEC, "--") if opts.rank_wrapper else ()
@@ -349,8 +344,7 @@ def prepare(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None,
     from dtrun.launcher import slurm
 
     environ = os.environ if environ is None else environ
-    selection = opts.selection or resolve_hosts(opts.host_list, opts.hostfile, opts.cluster, opts.include,
-                                                opts.exclude, environ)
+    selection = opts.selection or resolve_hosts(opts.hosts, environ)
     for w in selection.warnings:
         warn(w)
     flavor = detect_flavor(find_mpirun(opts.mpirun, environ), write_cache=not opts.dry_run)
