@@ -38,7 +38,7 @@ _MCA = typer.Option([], "--mca", help="Open MPI MCA parameter: --mca KEY VALUE (
 
 def _show_version(value: bool) -> None:
     if value:
-        from dtrun.launcher.version import version_text  # lazy: finds the MPI (subprocess), only --version
+        from dtrun.launcher.version import version_text  # lazy: detecting the MPI, only --version needs it
 
         print(version_text())
         raise typer.Exit(0)
@@ -203,7 +203,7 @@ def stacks_cmd(
     timeout: float = typer.Option(5.0, "--timeout", help="Seconds each host may take to answer."),
 ):
     """Print every rank's stack of a running dtrun job, grouped; the job goes on."""
-    from dtrun.launcher.stackscmd import show_stacks  # lazy: the job's agents, only this command
+    from dtrun.launcher.stackscmd import show_stacks  # lazy: the job and agent modules, only this command
 
     raise typer.Exit(show_stacks(job, timeout))
 
