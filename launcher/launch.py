@@ -16,7 +16,6 @@ from dtrun.launcher.flavors import Flavor, detect_flavor, find_mpirun
 from dtrun.launcher.hosts import SLURM_SOURCE, HostOptions, HostSelection, all_local, is_local, resolve_hosts
 from dtrun.launcher.netinfo import InterfaceChoice, SharedSubnet, local_address_on
 from dtrun.launcher.paths import new_run_id
-from dtrun.launcher.sshconf import base_ssh_config, job_ssh_files
 from dtrun.launcher.usage import Usage, check_usage, split_ifaces
 
 RANKEXEC = str(Path(__file__).parent / "remote" / "rankexec.py")
@@ -192,8 +191,7 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, env
     if opts.include_iface or opts.exclude_iface:
         local_only = False
     launcher_addr = _launcher_address(flavor, selection, include, local)
-    ssh_files = job_ssh_files(selection, base_ssh_config(opts.hosts.ssh_config, selection.ssh_config, environ),
-                              flavor.is_openmpi)
+    ssh_files = usage.ssh_files
     tag = opts.tag_output if opts.tag_output is not None else (len(selection.hosts) > 1 and not local_only)
     wrapper = (sys.executable, "-S", RANKEXEC, "--") if opts.rank_wrapper else ()
     from dtrun.launcher.rendezvous import choose

@@ -3,8 +3,9 @@
 ``check_usage`` runs once per launch, before the preflight touches a host, so a usage
 error (``-np 0``, a bad ``-x`` or ``--mca``, conflicting interface flags, no program) is
 reported as such (exit 2) even when a host cannot be reached. It returns a ``Usage`` with
-the values it had to parse to check them (the rank count, ``--mpi-args``, the interface
-lists), and the launch builds its spec from those, so no option's text is read twice.
+the values it had to work out to check them (the rank count, ``--mpi-args``, the interface
+lists, the job's ssh files), and the launch builds its spec from those, so no option's
+text is read twice.
 It is apart from ``launch.py`` because each check has one home here, whichever step of
 the launch needs its value.
 """
@@ -19,7 +20,7 @@ from dtrun.launcher import safe
 from dtrun.launcher.errors import UsageError
 from dtrun.launcher.flavors import Flavor
 from dtrun.launcher.hosts import HostSelection, resolve_np
-from dtrun.launcher.sshconf import base_ssh_config, job_ssh_files
+from dtrun.launcher.sshconf import SshFiles, base_ssh_config, job_ssh_files
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Usage:
     mpi_args: tuple[str, ...] = ()  # --mpi-args, split as a shell would
     include_iface: tuple[str, ...] = ()  # --include-iface, split at commas and checked
     exclude_iface: tuple[str, ...] = ()  # --exclude-iface, split at commas and checked
+    ssh_files: SshFiles = SshFiles()  # the ssh config (and Hydra's wrapper) the job needs, not yet written
 
 
 def check_usage(opts, flavor: Flavor, selection: HostSelection, environ: Mapping[str, str]) -> Usage:
@@ -60,8 +62,9 @@ def check_usage(opts, flavor: Flavor, selection: HostSelection, environ: Mapping
         raise UsageError("--include-iface and --exclude-iface cannot be used together (Open MPI rejects both at once)")
     include = split_ifaces(opts.include_iface, "--include-iface") if opts.include_iface else ()
     exclude = split_ifaces(opts.exclude_iface, "--exclude-iface") if opts.exclude_iface else ()
-    job_ssh_files(selection, base_ssh_config(opts.hosts.ssh_config, selection.ssh_config, environ), flavor.is_openmpi)
-    return Usage(np, mpi_args, include, exclude)
+    ssh_files = job_ssh_files(selection, base_ssh_config(opts.hosts.ssh_config, selection.ssh_config, environ),
+                              flavor.is_openmpi)  # checks that every host's settings can be written there
+    return Usage(np, mpi_args, include, exclude, ssh_files)
 
 
 def split_ifaces(value: str, flag: str) -> tuple[str, ...]:
