@@ -110,21 +110,27 @@ def run(
     raise typer.Exit(launch(opts, preflight.preflight, hostcheck.check_hosts))
 
 
-# The options that choose the hosts, declared once for the commands that take them all.
-_HOST_OPTIONS = (("host_list", Optional[str], _H), ("hostfile", Optional[str], _HOSTFILE),
-                 ("cluster", Optional[str], _CLUSTER), ("include", List[str], _INCLUDE),
-                 ("exclude", List[str], _EXCLUDE))
+# The options that choose the hosts, declared once for the commands that take them: the
+# sources (-H, --hostfile, --cluster), then --include and --exclude.
+_HOST_SOURCES = (("host_list", Optional[str], _H), ("hostfile", Optional[str], _HOSTFILE),
+                 ("cluster", Optional[str], _CLUSTER))
+_HOST_OPTIONS = _HOST_SOURCES + (("include", List[str], _INCLUDE), ("exclude", List[str], _EXCLUDE))
 
 
-def _with_host_options(command):
+def _with_host_options(command, options=_HOST_OPTIONS):
     """Declare the host options first on ``command``, which takes them as ``**hosts`` (see _host_options)."""
     sig = inspect.signature(command, eval_str=True)
     own = [p for p in sig.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
     added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind)
-             for name, kind, option in _HOST_OPTIONS]
+             for name, kind, option in options]
     command.__signature__ = sig.replace(parameters=[p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
                                                     for p in added + own])
     return command
+
+
+def _with_host_sources(command):
+    """Declare -H, --hostfile and --cluster (not --include/--exclude) on ``command``, as ``**hosts``."""
+    return _with_host_options(command, _HOST_SOURCES)
 
 
 def _host_options(hosts: dict, ssh_config: Optional[str] = None):
@@ -181,20 +187,19 @@ def doctor_cmd(
 
 
 @sub_app.command("keyscan")
+@_with_host_sources
 def keyscan_cmd(
-    hosts: List[str] = typer.Argument(None, help="Host names (comma-separated or several)."),
-    host_list: Optional[str] = _H,
-    hostfile: Optional[str] = _HOSTFILE,
-    cluster: Optional[str] = _CLUSTER,
+    names: List[str] = typer.Argument(None, help="Host names (comma-separated or several).", metavar="[HOSTS]..."),
     ssh_config: Optional[str] = _SSH_CONFIG,
     timeout: float = _TIMEOUT,
     yes: bool = typer.Option(False, "--yes", "-y", help="Add unknown keys without asking (for scripts)."),
+    **hosts,
 ):
     """Show each host's SSH key fingerprint and add unknown keys to known_hosts after confirmation."""
     from dtrun.checks.keyscan import KeyscanSpec, keyscan  # lazy: ssh (paramiko), only this command
 
-    given = _host_options(dict(host_list=host_list, hostfile=hostfile, cluster=cluster), ssh_config)
-    raise typer.Exit(keyscan(KeyscanSpec(names=tuple(hosts or ()), hosts=given, timeout=timeout, yes=yes)))
+    spec = KeyscanSpec(names=tuple(names or ()), hosts=_host_options(hosts, ssh_config), timeout=timeout, yes=yes)
+    raise typer.Exit(keyscan(spec))
 
 
 @sub_app.command("stacks")
