@@ -196,7 +196,7 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, env
     wrapper = (sys.executable, "-S", RANKEXEC, "--") if opts.rank_wrapper else ()
     from dtrun.launcher.rendezvous import choose
 
-    master_addr, master_port = choose(selection.hosts, local_only, environ, dict(cmd.parse_env_item(e) for e in opts.env))
+    master_addr, master_port = choose(selection.hosts, local_only, environ, dict(usage.env))
     return cmd.LaunchSpec(
         program=resolve_program(opts.program, environ),
         hosts=selection.hosts,

@@ -28,6 +28,7 @@ class Usage:
     """The checked command line's parsed values (what ``check_usage`` read to check them)."""
 
     np: int  # the number of ranks (-np, else the hosts' slots)
+    env: tuple[tuple[str, Optional[str]], ...] = ()  # -x items as (NAME, VALUE), VALUE None to forward NAME
     mpi_args: tuple[str, ...] = ()  # --mpi-args, split as a shell would
     include_iface: tuple[str, ...] = ()  # --include-iface, split at commas and checked
     exclude_iface: tuple[str, ...] = ()  # --exclude-iface, split at commas and checked
@@ -43,8 +44,7 @@ def check_usage(opts, flavor: Flavor, selection: HostSelection, environ: Mapping
     if not opts.program:
         raise UsageError("no program given: dtrun [OPTIONS] PROGRAM [ARGS...]")
     np = resolve_np(opts.np, selection, opts.oversubscribe)
-    for item in opts.env:
-        cmd.parse_env_item(item)
+    env = tuple(cmd.parse_env_item(item) for item in opts.env)
     for item in opts.mca:
         if len(item) != 2:
             raise UsageError("--mca needs two values: --mca KEY VALUE")
@@ -64,7 +64,7 @@ def check_usage(opts, flavor: Flavor, selection: HostSelection, environ: Mapping
     exclude = split_ifaces(opts.exclude_iface, "--exclude-iface") if opts.exclude_iface else ()
     ssh_files = job_ssh_files(selection, base_ssh_config(opts.hosts.ssh_config, selection.ssh_config, environ),
                               flavor.is_openmpi)  # checks that every host's settings can be written there
-    return Usage(np, mpi_args, include, exclude, ssh_files)
+    return Usage(np, env, mpi_args, include, exclude, ssh_files)
 
 
 def split_ifaces(value: str, flag: str) -> tuple[str, ...]:
