@@ -37,9 +37,11 @@ def timed(argv) -> float:
 
 def bare_mpirun_argv() -> list[str]:
     from dtrun.launcher.command import build_command
+    from dtrun.launcher.hosts import HostOptions
     from dtrun.launcher.launch import LaunchOptions, prepare
 
-    opts = LaunchOptions(program=tuple(PROG), np=2, host_list="localhost:2", rank_wrapper=False)
+    opts = LaunchOptions(program=tuple(PROG), np=2, hosts=HostOptions(host_list="localhost:2"),
+                         rank_wrapper=False)
     prepared = prepare(opts, environ=env())  # resolve `python` as the dtrun runs do
     flavor, spec = prepared.flavor, prepared.spec
     return build_command(spec, flavor)

@@ -43,10 +43,12 @@ READER = ("import sys, time\nd = float(sys.argv[1])\nn = 0\nwhile True:\n    b =
 
 def bare_argv(cluster, host, writer: str = WRITER) -> list[str]:
     from dtrun.launcher.command import build_command
+    from dtrun.launcher.hosts import HostOptions
     from dtrun.launcher.launch import LaunchOptions, prepare
 
-    opts = LaunchOptions(program=(str(BIN / "python"), "-c", writer), host_list=f"{host}:1",
-                         ssh_config=str(cluster.ssh_config), rank_wrapper=False, tag_output=False)
+    opts = LaunchOptions(program=(str(BIN / "python"), "-c", writer),
+                         hosts=HostOptions(host_list=f"{host}:1", ssh_config=str(cluster.ssh_config)),
+                         rank_wrapper=False, tag_output=False)
     prepared = prepare(opts, environ=user_env())
     flavor, spec = prepared.flavor, prepared.spec
     return build_command(spec, flavor)

@@ -41,10 +41,12 @@ def child(argv_json: str, out_json: str) -> int:
     from dtrun.checks.hostcheck import check_hosts
     from dtrun.checks.preflight import preflight
     from dtrun.launcher import launch, restarts
+    from dtrun.launcher.hosts import HostOptions
     from dtrun.launcher.launch import LaunchOptions
 
     kw = json.loads(argv_json)
-    opts = LaunchOptions(program=tuple(kw.pop("program")), **kw)
+    hosts = HostOptions(host_list=kw.pop("host_list"), ssh_config=kw.pop("ssh_config"))
+    opts = LaunchOptions(program=tuple(kw.pop("program")), hosts=hosts, **kw)
     t = restarts.Timings()
     rc = restarts.run(opts, launch._attempt, preflight, check_hosts, timings=t)
     Path(out_json).write_text(json.dumps({"rc": int(rc), **{k: getattr(t, k) for k in

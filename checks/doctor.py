@@ -37,7 +37,7 @@ from dtrun.checks.sshlib import import_paramiko
 from dtrun.checks.sshtarget import load_ssh_config, ssh_config_path, ssh_target
 from dtrun.launcher.errors import UsageError
 from dtrun.launcher.flavors import detect_flavor, find_mpirun
-from dtrun.launcher.hosts import is_local, resolve_hosts
+from dtrun.launcher.hosts import HostOptions, is_local, resolve_hosts
 from dtrun.launcher.safe import seconds
 from dtrun.launcher.sshconf import job_ssh_files, write_job_config
 
@@ -46,12 +46,7 @@ from dtrun.launcher.sshconf import job_ssh_files, write_job_config
 class DoctorSpec:
     """What ``dtrun doctor`` was asked to do."""
 
-    host_list: Optional[str] = None
-    hostfile: Optional[str] = None
-    cluster: Optional[str] = None
-    include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
-    ssh_config: Optional[str] = None
+    hosts: HostOptions = HostOptions()
     timeout: float = 5.0
     json: bool = False
     all_pairs: bool = False
@@ -71,7 +66,7 @@ def run_doctor(spec: DoctorSpec) -> int:
         seconds(spec.e2e_timeout, "--e2e-timeout")
     if spec.program and not os.path.exists(spec.program):
         raise UsageError(f"--program {spec.program}: no such file on this host")
-    selection = resolve_hosts(spec.host_list, spec.hostfile, spec.cluster, spec.include, spec.exclude)
+    selection = resolve_hosts(spec.hosts)
     report = diagnose(spec, selection, live=not spec.json and sys.stderr.isatty())
     if spec.json:
         print(json.dumps(report.to_dict(), indent=2))
@@ -165,7 +160,7 @@ def _close(runs: list[HostRun]) -> None:
 def _prepare(spec: DoctorSpec, selection):
     """The MPI flavor, the ssh config, the hosts (local probes already started) and the probe request."""
     flavor = detect_flavor(find_mpirun())
-    cfg_path = ssh_config_path(spec.ssh_config, selection.ssh_config)
+    cfg_path = ssh_config_path(spec.hosts.ssh_config, selection.ssh_config)
     job_ssh_files(selection, cfg_path, openmpi=True)  # the config the job would get must be expressible: check now
     runs = [HostRun(h.host, h.slots, is_local(h.host)) for h in selection.hosts]
     hosts = DoctorHosts(runs, None if any(r.local for r in runs) else HostRun(network.LAUNCHER, 0, True))

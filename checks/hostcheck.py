@@ -43,7 +43,7 @@ def check_hosts(opts, selection, hosts: Sequence, environ: Optional[Mapping[str,
     if selection is not None and selection.source == SLURM_SOURCE and current_allocation(environ) is not None:
         return slurm_nodes(find_srun(environ) or "srun", [h.host for h in hosts],
                            SLURM_TIMEOUT_S if timeout is None else timeout)
-    cfg = ssh_config_path(getattr(opts, "ssh_config", None), selection.ssh_config if selection else None, environ)
+    cfg = ssh_config_path(opts.hosts.ssh_config, selection.ssh_config if selection else None, environ)
     remote = [h for h in hosts if not is_local(h.host)]
     found = reachable(remote, cfg, TIMEOUT_S if timeout is None else timeout)
     return {f.host: f"ssh: {short_reason(f.detail)}" for f in found}

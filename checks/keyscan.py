@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
+from dtrun.checks import ssh
 from dtrun.checks.errors import HostKeyChanged, HostKeyRevoked, HostKeyUnknown
 from dtrun.checks.fanout import fan_out
 from dtrun.checks.knownhosts import describe_key, known_host_keys, verify_host_key
@@ -20,17 +21,14 @@ from dtrun.checks.sshlib import import_paramiko
 from dtrun.checks.sshtarget import load_ssh_config, ssh_config_path, ssh_target
 from dtrun.launcher.errors import ExitCode, UsageError
 from dtrun.launcher.hostfile import parse_host_list
-from dtrun.launcher.hosts import is_local, resolve_hosts
+from dtrun.launcher.hosts import HostOptions, is_local, resolve_hosts
 from dtrun.launcher.safe import seconds
 
 
 @dataclass(frozen=True, kw_only=True)
 class KeyscanSpec:
-    hosts: tuple[str, ...] = ()
-    host_list: Optional[str] = None
-    hostfile: Optional[str] = None
-    cluster: Optional[str] = None
-    ssh_config: Optional[str] = None
+    names: tuple[str, ...] = ()  # hosts given as arguments, instead of -H/--hostfile/--cluster
+    hosts: HostOptions = HostOptions()
     timeout: float = 5.0
     yes: bool = False
 
@@ -41,7 +39,7 @@ def fetch_key(target, timeout: float):
     sock = tcp_connect(target, timeout)
     transport = paramiko.Transport(sock)
     try:
-        return handshake(transport, target, timeout)
+        return ssh.handshake(transport, target, timeout)
     finally:
         transport.close()
 
@@ -69,13 +67,13 @@ def append_known_host(path: str, line: str) -> None:
 
 def _names(spec: KeyscanSpec):
     """The hosts to scan: the arguments, or those the host options select (with the selection)."""
-    if spec.hosts:
-        if spec.host_list or spec.hostfile or spec.cluster:
+    if spec.names:
+        if spec.hosts.named:
             raise UsageError("give hosts either as arguments or with -H/--hostfile/--cluster, not both")
-        return None, parse_host_list(",".join(spec.hosts), "keyscan")
-    if not (spec.host_list or spec.hostfile or spec.cluster):
+        return None, parse_host_list(",".join(spec.names), "keyscan")
+    if not spec.hosts.named:
         raise UsageError("no hosts given: dtrun keyscan HOST... (or -H, --hostfile, --cluster)")
-    selection = resolve_hosts(spec.host_list, spec.hostfile, spec.cluster)
+    selection = resolve_hosts(spec.hosts)
     return selection, list(selection.hosts)
 
 
@@ -98,7 +96,7 @@ def keyscan(spec: KeyscanSpec, stdin: Optional[TextIO] = None, out: Optional[Tex
     out = sys.stdout if out is None else out
     seconds(spec.timeout, "--timeout")
     selection, hosts = _names(spec)
-    cfg_path = ssh_config_path(spec.ssh_config, selection.ssh_config if selection else None)
+    cfg_path = ssh_config_path(spec.hosts.ssh_config, selection.ssh_config if selection else None)
     config = load_ssh_config(cfg_path)
     targets = [ssh_target(h, config, cfg_path) for h in hosts if not is_local(h.host)]
     keys = fan_out(targets, lambda t: fetch_key(t, spec.timeout))

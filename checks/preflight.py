@@ -349,7 +349,7 @@ def preflight(opts, selection, flavor, environ: Optional[Mapping[str, str]] = No
     from dtrun.launcher.interfaces import local_interfaces  # lazy: multi-host launches only; every launch imports this module
 
     environ = os.environ if environ is None else environ
-    cfg = ssh_config_path(opts.ssh_config, selection.ssh_config, environ)
+    cfg = ssh_config_path(opts.hosts.ssh_config, selection.ssh_config, environ)
     key = cache_key(selection.hosts, cfg)
     remote = tuple(h.host for h in selection.hosts if not is_local(h.host))
     result = read_cache(key, remote_hosts=remote, local_ifaces=local_interfaces,

@@ -6,7 +6,8 @@ import what they need (rich, paramiko, mpi4py) when they run.
 """
 from __future__ import annotations
 
-import re
+import inspect
+import os
 import sys
 from dataclasses import dataclass
 from typing import List, Optional
@@ -15,10 +16,10 @@ import typer
 
 from dtrun.launcher.errors import DtrunError, ExitCode, UsageError, signal_name
 from dtrun.launcher.job import stopsignals
-from dtrun.launcher.optargs import _MCA_KEY, no_such_option, option_table, split_launch_argv
+from dtrun.launcher.optargs import LaunchArgv, no_such_option, option_table, read_launch_argv
+from dtrun.launcher.toolargs import TOOLS, tool_launch_argv
 
 SUBCOMMANDS = ("hosts", "smoke", "bench", "doctor", "keyscan", "completion", "stacks", "top")
-TOOLS = ("smoke", "bench")
 
 run_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 sub_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -30,11 +31,14 @@ _CLUSTER = typer.Option(None, "--cluster", help="YAML cluster file (per-host slo
 _INCLUDE = typer.Option([], "--include", help="Only these hosts (comma-separated, repeatable).")
 _EXCLUDE = typer.Option([], "--exclude", help="Leave out these hosts (comma-separated, repeatable).")
 _SSH_CONFIG = typer.Option(None, "--ssh-config", help="ssh config file for reaching the hosts (also $DTRUN_SSH_CONFIG).")
+# Declared for --help, completion and the option table; its values never reach click (one value per
+# option there): optargs.read_launch_argv reads the pairs and the command takes them from ctx.obj.
+_MCA = typer.Option([], "--mca", help="Open MPI MCA parameter: --mca KEY VALUE (repeatable).", metavar="KEY VALUE")
 
 
 def _show_version(value: bool) -> None:
     if value:
-        from dtrun.launcher.version import version_text
+        from dtrun.launcher.version import version_text  # lazy: detecting the MPI, only --version needs it
 
         print(version_text())
         raise typer.Exit(0)
@@ -45,6 +49,7 @@ def _show_version(value: bool) -> None:
     epilog="Subcommands: dtrun hosts | smoke | bench | doctor | keyscan | completion | stacks | top (each with --help).",
 )
 def run(
+    ctx: typer.Context,
     program: List[str] = typer.Argument(None, help="The program and its arguments (never parsed by dtrun).",
                                         metavar="PROGRAM [ARGS]..."),
     np: Optional[str] = typer.Option(None, "-np", "-n", "--np", metavar="N",
@@ -58,7 +63,7 @@ def run(
     include_iface: Optional[str] = typer.Option(None, "--include-iface", help="Use only this interface or CIDR subnet for MPI/NCCL TCP."),
     exclude_iface: Optional[str] = typer.Option(None, "--exclude-iface", help="Avoid these interfaces (default lo,docker0)."),
     env: List[str] = typer.Option([], "-x", help="Forward NAME, or set NAME=VALUE, on every rank (repeatable)."),
-    mca: List[str] = typer.Option([], "--mca", help="Open MPI MCA parameter: --mca KEY VALUE (repeatable).", metavar="KEY VALUE"),
+    mca: List[str] = _MCA,
     mpi_args: Optional[str] = typer.Option(None, "--mpi-args", help="Extra mpirun arguments, passed unchanged."),
     tag_output: Optional[bool] = typer.Option(None, "--tag-output/--no-tag-output", help="Prefix output lines with the rank (default: on for multi-host)."),
     log_dir: Optional[str] = typer.Option(None, "--log-dir", help="Write each rank's output to DIR/rank.N.log."),
@@ -86,55 +91,55 @@ def run(
                                  help="Print dtrun's version and the MPI it would use, then exit."),
 ):
     """Launch PROGRAM on the hosts with mpirun, with the flags experienced users add by hand."""
-    from dtrun.launcher.launch import LaunchOptions, launch
+    from dtrun.launcher.launch import LaunchOptions, launch  # lazy: the launch pipeline, not for --help/--version
 
+    hosts = dict(host_list=host_list, hostfile=hostfile, cluster=cluster, include=include, exclude=exclude)
     opts = LaunchOptions(
-        program=tuple(program or ()), np=np, host_list=host_list, hostfile=hostfile, cluster=cluster,
-        include=tuple(include), exclude=tuple(exclude), oversubscribe=oversubscribe,
-        include_iface=include_iface, exclude_iface=exclude_iface, env=tuple(env), mca=tuple(_mca_pair(m) for m in mca),
+        program=tuple(program or ()), np=np, hosts=_host_options(hosts, ssh_config), oversubscribe=oversubscribe,
+        include_iface=include_iface, exclude_iface=exclude_iface, env=tuple(env), mca=ctx.obj.mca if ctx.obj else (),
         mpi_args=mpi_args, tag_output=tag_output, log_dir=log_dir, nccl_debug=nccl_debug,
-        no_tree_spawn=no_tree_spawn, mpirun=mpirun, ssh_config=ssh_config, dry_run=dry_run,
+        no_tree_spawn=no_tree_spawn, mpirun=mpirun, dry_run=dry_run,
         preflight=not no_preflight, verbose=verbose, hang_timeout=hang_timeout, on_hang=on_hang,
         timeout=timeout, start_timeout=start_timeout,
         pin_gpus=pin_gpus, horovod=horovod, launcher=launcher, max_restarts=max_restarts, min_np=min_np, spares=spares, top=top,
     )
     # The CLI is the one place that joins the launcher and the checks: the preflight returns
     # an interface choice that the launch applies (launcher/ itself never imports checks/).
-    from dtrun.checks.hostcheck import check_hosts
-    from dtrun.checks.preflight import preflight
+    from dtrun.checks import hostcheck, preflight  # lazy: the ssh checks, only a launch needs them
 
-    raise typer.Exit(launch(opts, preflight, check_hosts))
-
-
-def _mca_pair(item: str) -> tuple[str, str]:
-    key, eq, value = item.partition("=")
-    if not eq or not _MCA_KEY.match(key) or not value:
-        raise UsageError(f"--mca {item!r}: write --mca KEY VALUE")
-    return key, value
+    raise typer.Exit(launch(opts, preflight.preflight, hostcheck.check_hosts))
 
 
-# The options that choose the hosts, declared once for the commands that take them all.
-_HOST_OPTIONS = (("host_list", Optional[str], _H), ("hostfile", Optional[str], _HOSTFILE),
-                 ("cluster", Optional[str], _CLUSTER), ("include", List[str], _INCLUDE),
-                 ("exclude", List[str], _EXCLUDE))
+# The options that choose the hosts, declared once for the commands that take them: the
+# sources (-H, --hostfile, --cluster), then --include and --exclude.
+_HOST_SOURCES = (("host_list", Optional[str], _H), ("hostfile", Optional[str], _HOSTFILE),
+                 ("cluster", Optional[str], _CLUSTER))
+_HOST_OPTIONS = _HOST_SOURCES + (("include", List[str], _INCLUDE), ("exclude", List[str], _EXCLUDE))
 
 
-def _with_host_options(command):
-    """Declare the host options first on ``command``, which takes them as ``**hosts`` (see _host_fields)."""
-    import inspect
-
+def _with_host_options(command, options=_HOST_OPTIONS):
+    """Declare the host options first on ``command``, which takes them as ``**hosts`` (see _host_options)."""
     sig = inspect.signature(command, eval_str=True)
     own = [p for p in sig.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
     added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind)
-             for name, kind, option in _HOST_OPTIONS]
+             for name, kind, option in options]
     command.__signature__ = sig.replace(parameters=[p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
                                                     for p in added + own])
     return command
 
 
-def _host_fields(hosts: dict) -> dict:
-    """The host options as the spec dataclasses take them (tuples, not lists)."""
-    return dict(hosts, include=tuple(hosts["include"]), exclude=tuple(hosts["exclude"]))
+def _with_host_sources(command):
+    """Declare -H, --hostfile and --cluster (not --include/--exclude) on ``command``, as ``**hosts``."""
+    return _with_host_options(command, _HOST_SOURCES)
+
+
+def _host_options(hosts: dict, ssh_config: Optional[str] = None):
+    """The host options as typed (``**hosts``), and --ssh-config where the command has it, as one HostOptions."""
+    from dtrun.launcher.hosts import HostOptions  # lazy: hostfile parsing (11 ms), not for --help/--version
+
+    return HostOptions(host_list=hosts["host_list"], hostfile=hosts["hostfile"], cluster=hosts["cluster"],
+                       include=tuple(hosts.get("include", ())), exclude=tuple(hosts.get("exclude", ())),
+                       ssh_config=ssh_config)
 
 
 @sub_app.command("hosts")
@@ -144,9 +149,9 @@ def hosts_cmd(
     **hosts,
 ):
     """Print the resolved hosts and slots."""
-    from dtrun.launcher.hostsview import HostsQuery, show_hosts
+    from dtrun.launcher.hostsview import HostsQuery, show_hosts  # lazy: rich, only this command
 
-    raise typer.Exit(show_hosts(HostsQuery(**_host_fields(hosts), json_out=json_out)))
+    raise typer.Exit(show_hosts(HostsQuery(hosts=_host_options(hosts), json_out=json_out)))
 
 
 _TIMEOUT = typer.Option(5.0, "--timeout", help="Seconds each network step (connect, handshake, probe) may take.")
@@ -167,7 +172,7 @@ def doctor_cmd(
     **hosts,
 ):
     """Check ssh, environment, network, firewall and GPUs on every host; say what to fix."""
-    from dtrun.checks.doctor import DoctorSpec, run_doctor
+    from dtrun.checks.doctor import DoctorSpec, run_doctor  # lazy: every check, only this command
 
     sample = None
     if links_sample is not None:
@@ -177,26 +182,24 @@ def doctor_cmd(
             raise UsageError("--links-sample needs --links")
         sample = int(links_sample)
     raise typer.Exit(run_doctor(DoctorSpec(
-        **_host_fields(hosts), ssh_config=ssh_config, timeout=timeout, json=json_out, all_pairs=all_pairs, program=program, e2e=not no_e2e,
+        hosts=_host_options(hosts, ssh_config), timeout=timeout, json=json_out, all_pairs=all_pairs, program=program, e2e=not no_e2e,
         e2e_timeout=e2e_timeout, links=links, links_sample=sample)))
 
 
 @sub_app.command("keyscan")
+@_with_host_sources
 def keyscan_cmd(
-    hosts: List[str] = typer.Argument(None, help="Host names (comma-separated or several)."),
-    host_list: Optional[str] = _H,
-    hostfile: Optional[str] = _HOSTFILE,
-    cluster: Optional[str] = _CLUSTER,
+    names: List[str] = typer.Argument(None, help="Host names (comma-separated or several).", metavar="[HOSTS]..."),
     ssh_config: Optional[str] = _SSH_CONFIG,
     timeout: float = _TIMEOUT,
     yes: bool = typer.Option(False, "--yes", "-y", help="Add unknown keys without asking (for scripts)."),
+    **hosts,
 ):
     """Show each host's SSH key fingerprint and add unknown keys to known_hosts after confirmation."""
-    from dtrun.checks.keyscan import KeyscanSpec, keyscan
+    from dtrun.checks.keyscan import KeyscanSpec, keyscan  # lazy: ssh (paramiko), only this command
 
-    raise typer.Exit(keyscan(KeyscanSpec(
-        hosts=tuple(hosts or ()), host_list=host_list, hostfile=hostfile, cluster=cluster, ssh_config=ssh_config,
-        timeout=timeout, yes=yes)))
+    spec = KeyscanSpec(names=tuple(names or ()), hosts=_host_options(hosts, ssh_config), timeout=timeout, yes=yes)
+    raise typer.Exit(keyscan(spec))
 
 
 @sub_app.command("stacks")
@@ -205,7 +208,7 @@ def stacks_cmd(
     timeout: float = typer.Option(5.0, "--timeout", help="Seconds each host may take to answer."),
 ):
     """Print every rank's stack of a running dtrun job, grouped; the job goes on."""
-    from dtrun.launcher.stackscmd import show_stacks
+    from dtrun.launcher.stackscmd import show_stacks  # lazy: the job and agent modules, only this command
 
     raise typer.Exit(show_stacks(job, timeout))
 
@@ -219,7 +222,7 @@ def top_cmd(
     timeout: float = typer.Option(5.0, "--timeout", help="Seconds a host may take to connect before it is named."),
 ):
     """A live table of a running job per rank: rate, waiting, CPU, memory, GPU, the straggler; the job goes on."""
-    from dtrun.launcher.top import TopSpec, show_top
+    from dtrun.launcher.top import TopSpec, show_top  # lazy: rich's live table, only this command
 
     raise typer.Exit(show_top(TopSpec(job=job, once=once, json_out=json_out, interval=interval, timeout=timeout)))
 
@@ -235,12 +238,6 @@ def launch_table() -> dict[str, int]:
     return _LAUNCH_TABLE
 
 
-def launch_argv(argv: list[str]) -> list[str]:
-    """The arguments for the launch command: its options, ``--``, then PROGRAM."""
-    opts, program = split_launch_argv(argv, launch_table())
-    return opts + ["--"] + program if program else opts
-
-
 COMPLETE_VAR = "_DTRUN_COMPLETE"
 _SHELLS = ("bash", "zsh", "fish")
 
@@ -254,8 +251,6 @@ def completion_cmd(
 
     bash: eval "$(dtrun completion bash)" in ~/.bashrc, or dtrun completion --install.
     """
-    import os
-
     shell = shell or os.path.basename(os.environ.get("SHELL", ""))
     if shell not in _SHELLS:
         raise UsageError(f"completion: unknown shell {shell!r}; choose one of {', '.join(_SHELLS)}")
@@ -292,11 +287,11 @@ def _complete(instruction: str) -> int:
     return ExitCode.OK
 
 
-def _invoke(app: typer.Typer, argv: list[str], prog: str) -> int:
+def _invoke(app: typer.Typer, argv: list[str], prog: str, launch: Optional[LaunchArgv] = None) -> int:
     from typer._click import exceptions as click_exc
 
     try:
-        rv = app(args=argv, prog_name=prog, standalone_mode=False)
+        rv = app(args=argv, prog_name=prog, standalone_mode=False, obj=launch)
         return int(rv or 0)
     except typer.Exit as e:
         return int(e.exit_code)
@@ -312,13 +307,14 @@ def _invoke(app: typer.Typer, argv: list[str], prog: str) -> int:
 
 @dataclass(frozen=True)
 class Invocation:
-    """What main knows from argv before typer parses it."""
+    """What main knows from argv before typer parses it: the launch command's argv, read once."""
 
     traceback: bool = False
+    launch: Optional[LaunchArgv] = None  # None for a subcommand or a tool (dtrun smoke|bench)
 
 
 def read_invocation(argv: list[str]) -> Invocation:
-    """Scan dtrun's own options for ``--traceback`` up front (as httpie does).
+    """Read ``--traceback`` up front (as httpie does), with the launch command's whole argv.
 
     Only the launch options count (``dtrun [OPTIONS] PROGRAM``, ``dtrun smoke|bench``): a
     ``--traceback`` after PROGRAM or ``--`` is the program's. Reading it before typer runs
@@ -330,31 +326,21 @@ def read_invocation(argv: list[str]) -> Invocation:
         return Invocation(traceback="--traceback" in own)
     if argv and argv[0] in SUBCOMMANDS:
         return Invocation()
-    table, i = launch_table(), 0
-    while i < len(argv) and argv[i] != "--":
-        word = argv[i]
-        if word == "--traceback":
-            return Invocation(traceback=True)
-        if not word.startswith("-") or word == "-":
-            break  # PROGRAM starts here
-        inline = word.startswith("--") and "=" in word
-        i += 1 + (0 if inline else table.get(word, 0))
-    return Invocation()
+    launch = read_launch_argv(argv, launch_table())
+    return Invocation(traceback=launch.traceback, launch=launch)
 
 
-def _run_command(argv: list[str]) -> int:
-    import os
-
+def _run_command(argv: list[str], invocation: Invocation) -> int:
     if os.environ.get(COMPLETE_VAR):
         return _complete(os.environ[COMPLETE_VAR])
     if argv and argv[0] in TOOLS:
-        from dtrun.launcher.toolargs import tool_launch_argv
-
-        tool_argv = tool_launch_argv(argv[0], argv[1:], launch_table())
-        return ExitCode.OK if tool_argv is None else _invoke(run_app, tool_argv, f"dtrun {argv[0]}")
-    if argv and argv[0] in SUBCOMMANDS:
+        tool = tool_launch_argv(argv[0], argv[1:], launch_table())
+        return ExitCode.OK if tool is None else _invoke(run_app, tool.click_args(), f"dtrun {argv[0]}", tool)
+    if invocation.launch is None:
         return _invoke(sub_app, argv, "dtrun")
-    return _invoke(run_app, launch_argv(argv), "dtrun")
+    if invocation.launch.error is not None:
+        raise invocation.launch.error
+    return _invoke(run_app, invocation.launch.click_args(), "dtrun", invocation.launch)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -362,7 +348,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     invocation = Invocation()
     try:
         invocation = read_invocation(argv)
-        code = _run_command(argv)
+        code = _run_command(argv, invocation)
     except DtrunError as exc:
         if invocation.traceback:
             raise

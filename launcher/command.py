@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Optional
 
 from dtrun.launcher import safe
-from dtrun.launcher.errors import UsageError
 from dtrun.launcher.flavors import Flavor
 from dtrun.launcher.hostfile import HostSlots
 
@@ -420,8 +419,6 @@ def flavor_notes(spec: LaunchSpec, flavor: Flavor) -> list[str]:
 
 
 def _mpich_groups(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
-    if spec.mca:
-        raise UsageError("--mca is an Open MPI option; this mpirun is MPICH (Hydra)")
     g = [ArgGroup((flavor.mpirun, "-n", str(spec.np)), f"{spec.np} ranks; mpiexec by absolute path")]
     g.append(ArgGroup(("-hosts", _hosts_arg(spec.hosts)), f"hosts and slots from {spec.host_source}"))
     iface, _ = hydra_iface(spec)

@@ -13,7 +13,7 @@ from dtrun.launcher.job import stopsignals
 def main() -> None:
     stopsignals.install()
     try:
-        from dtrun.launcher.cli import main as cli_main
+        from dtrun.launcher.cli import main as cli_main  # lazy: signals are caught before typer is imported
     except stopsignals.Stopped as exc:
         sys.exit(stopsignals.exit_code(exc.signum))
     cli_main()

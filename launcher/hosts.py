@@ -43,6 +43,25 @@ class HostSelection:
         return [h.host for h in self.hosts]
 
 
+@dataclass(frozen=True, kw_only=True)
+class HostOptions:
+    """The options that choose the hosts, as typed: -H, --hostfile, --cluster, --include,
+    --exclude, and --ssh-config (how to reach them). Every command that takes hosts embeds
+    one; ``resolve_hosts`` turns it into a ``HostSelection``."""
+
+    host_list: Optional[str] = None
+    hostfile: Optional[str] = None
+    cluster: Optional[str] = None
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    ssh_config: Optional[str] = None
+
+    @property
+    def named(self) -> bool:
+        """Whether a host source was named (-H, --hostfile or --cluster)."""
+        return bool(self.host_list or self.hostfile or self.cluster)
+
+
 @lru_cache(maxsize=None)
 def local_names() -> frozenset[str]:
     """Names that mean "this machine" without asking DNS."""
@@ -97,20 +116,14 @@ def select_hosts(hosts: Sequence[HostSlots], include: Sequence[str], exclude: Se
     return chosen
 
 
-def resolve_hosts(
-    host_list: Optional[str] = None,
-    hostfile: Optional[str] = None,
-    cluster: Optional[str] = None,
-    include: Sequence[str] = (),
-    exclude: Sequence[str] = (),
-    environ: Optional[Mapping[str, str]] = None,
-) -> HostSelection:
+def resolve_hosts(options: HostOptions = HostOptions(), environ: Optional[Mapping[str, str]] = None) -> HostSelection:
     """Resolve the job's hosts: -H, --hostfile, --cluster, else Slurm, else localhost.
 
     Raises:
         UsageError: more than one host source, or a source that is malformed.
     """
     environ = os.environ if environ is None else environ
+    host_list, hostfile, cluster = options.host_list, options.hostfile, options.cluster
     given = [flag for flag, v in (("-H", host_list), ("--hostfile", hostfile), ("--cluster", cluster)) if v is not None]
     for flag, v in (("-H", host_list), ("--hostfile", hostfile), ("--cluster", cluster)):
         if v is not None and not str(v).strip():
@@ -132,7 +145,7 @@ def resolve_hosts(
         else:
             hosts, source = [HostSlots("localhost", os.cpu_count() or 1, source="default")], "localhost (default)"
     hosts, warnings = merge_duplicates(hosts)
-    hosts = select_hosts(hosts, include, exclude)
+    hosts = select_hosts(hosts, options.include, options.exclude)
     return HostSelection(tuple(hosts), source, tuple(warnings), ssh_config)
 
 
@@ -159,6 +172,6 @@ def resolve_np(np, selection: HostSelection, oversubscribe: bool) -> int:
 
 
 __all__ = [
-    "HostSelection", "HostfileError", "all_local", "is_local", "merge_duplicates",
+    "HostOptions", "HostSelection", "HostfileError", "all_local", "is_local", "merge_duplicates",
     "resolve_hosts", "resolve_np", "select_hosts",
 ]

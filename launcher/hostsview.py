@@ -4,23 +4,18 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import asdict, dataclass
-from typing import Optional
 
-from dtrun.launcher.hosts import resolve_hosts
+from dtrun.launcher.hosts import HostOptions, resolve_hosts
 
 
 @dataclass(frozen=True, kw_only=True)
 class HostsQuery:
-    host_list: Optional[str]
-    hostfile: Optional[str]
-    cluster: Optional[str]
-    include: tuple[str, ...]
-    exclude: tuple[str, ...]
+    hosts: HostOptions = HostOptions()
     json_out: bool = False
 
 
 def show_hosts(q: HostsQuery) -> int:
-    sel = resolve_hosts(q.host_list, q.hostfile, q.cluster, q.include, q.exclude)
+    sel = resolve_hosts(q.hosts)
     for w in sel.warnings:
         print(f"dtrun: warning: {w}", file=sys.stderr)
     if q.json_out:

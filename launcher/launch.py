@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import signal
 import sys
@@ -11,14 +10,13 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from dtrun.launcher import command as cmd
-from dtrun.launcher import safe
 from dtrun.launcher.errors import ExitCode, LaunchError, UsageError, signal_exit_code
 from dtrun.launcher.job import stopsignals
 from dtrun.launcher.flavors import Flavor, detect_flavor, find_mpirun
-from dtrun.launcher.hosts import SLURM_SOURCE, HostSelection, all_local, is_local, resolve_hosts, resolve_np
+from dtrun.launcher.hosts import SLURM_SOURCE, HostOptions, HostSelection, all_local, is_local, resolve_hosts
 from dtrun.launcher.netinfo import InterfaceChoice, SharedSubnet, local_address_on
 from dtrun.launcher.paths import new_run_id
-from dtrun.launcher.sshconf import base_ssh_config, job_ssh_files
+from dtrun.launcher.usage import Usage, check_usage, split_ifaces
 
 RANKEXEC = str(Path(__file__).parent / "remote" / "rankexec.py")
 # --horovod: the folder whose `horovod` package maps Horovod's modules to dtrun.collectives.horovod
@@ -49,11 +47,7 @@ class LaunchOptions:
 
     program: tuple[str, ...]
     np: Optional[int | str] = None  # as typed: launcher.safe.count reads it (ASCII digits only)
-    host_list: Optional[str] = None
-    hostfile: Optional[str] = None
-    cluster: Optional[str] = None
-    include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
+    hosts: HostOptions = HostOptions()  # -H, --hostfile, --cluster, --include, --exclude, --ssh-config
     oversubscribe: bool = False
     include_iface: Optional[str] = None
     exclude_iface: Optional[str] = None
@@ -65,7 +59,6 @@ class LaunchOptions:
     nccl_debug: Optional[str] = None
     no_tree_spawn: bool = False
     mpirun: Optional[str] = None
-    ssh_config: Optional[str] = None
     dry_run: bool = False
     rank_wrapper: bool = True
     pin_gpus: bool = False  # CUDA_VISIBLE_DEVICES per local rank, set by the rank wrapper
@@ -107,25 +100,6 @@ def resolve_program(program, environ: Mapping[str, str]) -> tuple[str, ...]:
     return program
 
 
-def _split_ifaces(value: str, flag: str) -> tuple[str, ...]:
-    items = tuple(i.strip() for i in value.split(",") if i.strip())
-    if not items:
-        raise UsageError(f"{flag}: empty interface list")
-    return tuple(safe.iface(i, flag) for i in items)
-
-
-def _mpi_args(text: Optional[str]) -> tuple[str, ...]:
-    if not text:
-        return ()
-    try:
-        args = tuple(shlex.split(text))
-    except ValueError as exc:
-        raise UsageError(f"--mpi-args {text!r}: {exc} (quote it as a shell would)") from None
-    for a in args:
-        safe.plain_text(a, "--mpi-args: argument")
-    return args
-
-
 def exclusions(user: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
     """--exclude-iface adds to dtrun's default (lo, docker0); it never replaces it.
 
@@ -152,75 +126,36 @@ def wants_local_inference(opts: LaunchOptions, flavor: Flavor, selection: HostSe
     Hydra needs this host's address on it (-localhost)."""
     if all_local(selection.hosts):
         return False
-    include = _interfaces(opts, flavor, environ, False, choice, None)[0]
+    # The interfaces the user or the preflight named (as _interfaces takes them), from checked options.
+    named = opts.include_iface or ("" if opts.exclude_iface or choice is None else choice.include or "")
     if flavor.is_openmpi:
-        return not include and not opts.exclude_iface
-    return not any("/" in i for i in include)
+        return not named and not opts.exclude_iface
+    return "/" not in named
 
 
 def _user_sets_nccl_ifname(opts: LaunchOptions, environ: Mapping[str, str]) -> bool:
     return "NCCL_SOCKET_IFNAME" in environ or any(e.split("=", 1)[0] == "NCCL_SOCKET_IFNAME" for e in opts.env)
 
 
-def _interfaces(opts: LaunchOptions, flavor: Flavor, environ: Mapping[str, str], local_only: bool,
+def _interfaces(opts: LaunchOptions, usage: Usage, flavor: Flavor, environ: Mapping[str, str], local_only: bool,
                 choice: Optional[InterfaceChoice], shared: Optional[SharedSubnet]):
-    """(include, exclude, reason, NCCL_SOCKET_IFNAME) from the user's flags, else the preflight's
-    choice, else the subnet inferred on this machine, else dtrun's default exclusions."""
-    if opts.include_iface and opts.exclude_iface:
-        raise UsageError("--include-iface and --exclude-iface cannot be used together (Open MPI rejects both at once)")
+    """(include, exclude, reason, NCCL_SOCKET_IFNAME) from the user's flags (checked: ``usage``), else
+    the preflight's choice, else the subnet inferred on this machine, else dtrun's default exclusions."""
     nccl = None
     if choice is not None and choice.include and choice.nccl and not opts.exclude_iface \
             and not _user_sets_nccl_ifname(opts, environ) and (opts.include_iface or choice.include) == choice.include:
         nccl = choice.nccl
-    if opts.include_iface:
-        return _split_ifaces(opts.include_iface, "--include-iface"), cmd.DEFAULT_EXCLUDE, "--include-iface", nccl
-    if opts.exclude_iface:
-        exclude, reason = exclusions(_split_ifaces(opts.exclude_iface, "--exclude-iface"))
+    if usage.include_iface:
+        return usage.include_iface, cmd.DEFAULT_EXCLUDE, "--include-iface", nccl
+    if usage.exclude_iface:
+        exclude, reason = exclusions(usage.exclude_iface)
         return (), exclude, reason, None
     if choice is not None and choice.include:
-        return _split_ifaces(choice.include, "the preflight's subnet"), cmd.DEFAULT_EXCLUDE, choice.reason, nccl
+        return split_ifaces(choice.include, "the preflight's subnet"), cmd.DEFAULT_EXCLUDE, choice.reason, nccl
     if shared is not None and not local_only and flavor.is_openmpi:
         return ((shared.cidr,), cmd.DEFAULT_EXCLUDE,
                 f"the subnet of {shared.iface} routes to every host, inferred on this machine (no preflight)", None)
     return (), cmd.DEFAULT_EXCLUDE, "default", None
-
-
-def check_usage(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, environ: Mapping[str, str]) -> int:
-    """Every check of the command line that needs no network; returns the number of ranks.
-
-    ``prepare`` runs it before the preflight, so a usage error (``-np 0``, more
-    ranks than slots, a bad -x or --mca, conflicting interface flags, no program) is
-    reported as such (exit 2) even when a host cannot be reached; ``make_spec`` runs it
-    again, so a spec is never built from unchecked options.
-
-    Raises:
-        UsageError: the first problem found, naming its argument.
-    """
-    if not opts.program:
-        raise UsageError("no program given: dtrun [OPTIONS] PROGRAM [ARGS...]")
-    np = resolve_np(opts.np, selection, opts.oversubscribe)
-    for item in opts.env:
-        cmd.parse_env_item(item)
-    for item in opts.mca:
-        if len(item) != 2:
-            raise UsageError("--mca needs two values: --mca KEY VALUE")
-        safe.mca_value(safe.mca_key(item[0]), item[1])
-    if opts.mca and not flavor.is_openmpi:
-        raise UsageError("--mca is an Open MPI option; this mpirun is MPICH (Hydra)")
-    _mpi_args(opts.mpi_args)
-    if opts.horovod and environ.get("PYTHONPATH") and not any(
-            item.startswith("PYTHONPATH=") for item in opts.env):  # goes on mpirun's command line
-        safe.plain_text(environ["PYTHONPATH"], "--horovod: this shell's PYTHONPATH")
-    for flag, value in (("--log-dir", opts.log_dir), ("--nccl-debug", opts.nccl_debug)):
-        if value is not None:
-            safe.plain_text(value, flag)
-    if opts.include_iface and opts.exclude_iface:
-        raise UsageError("--include-iface and --exclude-iface cannot be used together (Open MPI rejects both at once)")
-    for flag, value in (("--include-iface", opts.include_iface), ("--exclude-iface", opts.exclude_iface)):
-        if value:
-            _split_ifaces(value, flag)
-    job_ssh_files(selection, base_ssh_config(opts.ssh_config, selection.ssh_config, environ), flavor.is_openmpi)
-    return np
 
 
 # The variables of dtrun's environment whose presence the command depends on (LaunchSpec.env_names_set).
@@ -238,7 +173,8 @@ def _launcher_address(flavor: Flavor, selection: HostSelection, include: tuple, 
 
 
 def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, environ: Mapping[str, str],
-              choice: Optional[InterfaceChoice] = None, local: LocalFacts = LocalFacts()) -> cmd.LaunchSpec:
+              choice: Optional[InterfaceChoice] = None, local: LocalFacts = LocalFacts(),
+              usage: Optional[Usage] = None) -> cmd.LaunchSpec:
     """Settle every choice the command line depends on. Pure: no DNS, no ``ip``, no file written.
 
     Args:
@@ -249,24 +185,22 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, env
     The ssh files a launch needs are described in the spec (``ssh_files``); ``launch``
     writes them.
     """
-    np = check_usage(opts, flavor, selection, environ)
+    usage = usage or check_usage(opts, flavor, selection, environ)  # prepare checked them already
     local_only = all_local(selection.hosts)
-    mpi_args = _mpi_args(opts.mpi_args)
-    include, exclude, reason, nccl = _interfaces(opts, flavor, environ, local_only, choice, local.shared)
+    include, exclude, reason, nccl = _interfaces(opts, usage, flavor, environ, local_only, choice, local.shared)
     if opts.include_iface or opts.exclude_iface:
         local_only = False
     launcher_addr = _launcher_address(flavor, selection, include, local)
-    ssh_files = job_ssh_files(selection, base_ssh_config(opts.ssh_config, selection.ssh_config, environ),
-                              flavor.is_openmpi)
+    ssh_files = usage.ssh_files
     tag = opts.tag_output if opts.tag_output is not None else (len(selection.hosts) > 1 and not local_only)
     wrapper = (sys.executable, "-S", RANKEXEC, "--") if opts.rank_wrapper else ()
     from dtrun.launcher.rendezvous import choose
 
-    master_addr, master_port = choose(selection.hosts, local_only, environ, dict(cmd.parse_env_item(e) for e in opts.env))
+    master_addr, master_port = choose(selection.hosts, local_only, environ, dict(usage.env))
     return cmd.LaunchSpec(
         program=resolve_program(opts.program, environ),
         hosts=selection.hosts,
-        np=np,
+        np=usage.np,
         host_source=selection.source,
         oversubscribe=opts.oversubscribe,
         include_iface=include,
@@ -277,7 +211,7 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, env
         env_names_set=frozenset(k for k in environ
                                 if environ.get(k) and (k in _ENV_NAMES_NOTED or k.startswith(_ENV_PREFIXES_NOTED))),
         mca=tuple(opts.mca),
-        mpi_args=mpi_args,
+        mpi_args=usage.mpi_args,
         tag_output=tag,
         log_dir=os.path.join(os.path.abspath(opts.log_dir), opts.run_id or new_run_id()) if opts.log_dir else None,
         job_dir=opts.job_dir,
@@ -349,15 +283,15 @@ def prepare(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None,
     from dtrun.launcher import slurm
 
     environ = os.environ if environ is None else environ
-    selection = opts.selection or resolve_hosts(opts.host_list, opts.hostfile, opts.cluster, opts.include,
-                                                opts.exclude, environ)
+    selection = opts.selection or resolve_hosts(opts.hosts, environ)
     for w in selection.warnings:
         warn(w)
     flavor = detect_flavor(find_mpirun(opts.mpirun, environ), write_cache=not opts.dry_run)
     launcher_choice = slurm.choose_launcher(opts.launcher, flavor, selection.source == SLURM_SOURCE, environ)
-    check_usage(opts, flavor, selection, environ)  # before any network step: a usage error is not a host's
+    usage = check_usage(opts, flavor, selection, environ)  # before any network step: a usage error is not a host's
     choice = _preflight(opts, selection, flavor, launcher_choice, environ, preflight)
-    spec = make_spec(opts, flavor, selection, environ, choice, local_facts(opts, flavor, selection, choice, environ))
+    spec = make_spec(opts, flavor, selection, environ, choice, local_facts(opts, flavor, selection, choice, environ),
+                     usage)
     if launcher_choice.launcher == "srun":
         groups = slurm.build_srun_groups(spec, flavor, launcher_choice.plugins,
                                          launcher_choice.allocation.cpus_per_task, launcher_choice.srun)

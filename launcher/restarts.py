@@ -350,8 +350,7 @@ class _Attempts:
         self.min_np = self.np = None
         self.first: tuple[str, ...] = ()
         if self.restarts:
-            self.selection = resolve_hosts(opts.host_list, opts.hostfile, opts.cluster, opts.include,
-                                           opts.exclude, environ)
+            self.selection = resolve_hosts(opts.hosts, environ)
             self.spares, self.min_np = check_options(opts, self.selection)
             self.np = resolve_np(opts.np, self.selection, opts.oversubscribe)
             if self.min_np is not None and self.min_np > self.np:

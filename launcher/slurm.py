@@ -246,8 +246,6 @@ def build_srun_groups(spec: LaunchSpec, flavor: Flavor, plugins: Sequence[str],
     if plugin is None:
         raise UsageError(f"{flavor.label} needs srun --mpi={needed_plugins(flavor)}; this Slurm offers "
                          f"{', '.join(plugins) or 'none'}; use --launcher mpirun")
-    if spec.mca and not flavor.is_openmpi:
-        raise UsageError("--mca is an Open MPI option; this MPI is MPICH (Hydra)")
     values = [(n, v, why) for n, v, why in cmd._env_list(spec) if v is not None]
     nodes = nodes_for(spec)
     if flavor.is_openmpi:

@@ -16,8 +16,9 @@ import sys
 from typing import Optional
 
 from dtrun.launcher.errors import UsageError
-from dtrun.launcher.optargs import no_such_option, take_option
+from dtrun.launcher.optargs import LaunchArgv, OptionWords, no_such_option, take_option
 
+# The tools dtrun runs on every rank: ``dtrun smoke|bench`` -> the module each rank runs.
 TOOLS = {"smoke": "dtrun.collectives.smoke", "bench": "dtrun.collectives.bench"}
 
 
@@ -40,9 +41,10 @@ def parser_table(parser) -> dict[str, int]:
     return table
 
 
-def split_tool_argv(tool: str, argv: list[str], launch: dict[str, int], own: dict[str, int]):
+def split_tool_argv(tool: str, argv: list[str], launch: dict[str, int],
+                    own: dict[str, int]) -> tuple[OptionWords, list[str]]:
     """(launch options, tool arguments); everything after ``--`` goes to the tool."""
-    launch_args, tool_args, i = [], [], 0
+    launch_args, tool_args, i = OptionWords(), [], 0
     while i < len(argv):
         a = argv[i]
         if a == "--":
@@ -56,7 +58,7 @@ def split_tool_argv(tool: str, argv: list[str], launch: dict[str, int], own: dic
             tool_args += taken
         elif name in launch:
             taken, i = take_option(argv, i, launch)
-            launch_args += taken
+            launch_args.add(taken)
         else:
             raise no_such_option(name, set(own) | set(launch))
     return launch_args, tool_args
@@ -113,8 +115,8 @@ def tool_help(tool: str, module, launch: dict[str, int]) -> str:
     return text
 
 
-def tool_launch_argv(tool: str, argv: list[str], launch: dict[str, int]) -> Optional[list[str]]:
-    """``dtrun smoke|bench ARGS`` as arguments of the launch command: options, ``--``, the tool's run.
+def tool_launch_argv(tool: str, argv: list[str], launch: dict[str, int]) -> Optional[LaunchArgv]:
+    """``dtrun smoke|bench ARGS`` as the launch command's: its options, and the tool's run as PROGRAM.
 
     Returns None after printing the help that ``-h``/``--help`` asked for.
     """
@@ -126,4 +128,4 @@ def tool_launch_argv(tool: str, argv: list[str], launch: dict[str, int]) -> Opti
     own = parser_table(module.build_parser())
     launch_args, tool_args = split_tool_argv(tool, argv, launch, own)
     check_tool_args(tool, module, tool_args)
-    return launch_args + ["--", sys.executable, "-m", TOOLS[tool]] + tool_args
+    return launch_args.argv([sys.executable, "-m", TOOLS[tool]] + tool_args)

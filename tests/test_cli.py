@@ -6,7 +6,8 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from dtrun.launcher.cli import run_app, split_launch_argv, sub_app
+from dtrun.launcher.cli import run_app, sub_app
+from dtrun.launcher.optargs import LaunchArgv, read_launch_argv
 from tests.dtrun_helpers import DTRUN, REPO, dtrun, one_line_error
 
 
@@ -103,11 +104,11 @@ def test_hosts_json_and_table():
     assert t.returncode == 0 and "server4" in t.stdout and "2222" in t.stdout and "ops" in t.stdout
 
 
-def test_mca_is_folded_only_before_the_program():
+def test_mca_is_read_only_before_the_program():
     from dtrun.launcher.cli import launch_table
-    opts, program = split_launch_argv(["--mca", "a", "b", "-x", "--mca", "prog", "--mca", "c", "d"], launch_table())
-    assert opts == ["--mca", "a=b", "-x", "--mca"]
-    assert program == ["prog", "--mca", "c", "d"]
+    read = read_launch_argv(["--mca", "a", "b", "-x", "--mca", "prog", "--mca", "c", "d"], launch_table())
+    assert read.options == ("-x", "--mca") and read.mca == (("a", "b"),)
+    assert read.program == ("prog", "--mca", "c", "d")
 
 
 def test_clirunner_help_lists_options_and_subcommands():
@@ -194,5 +195,5 @@ def test_a_new_option_is_known_to_the_pass_through_without_a_second_list():
 
     table = option_table(typer.main.get_command(app))
     assert table == {"--brand-new": 1, "-B": 1, "--flag": 0, "--mca": 2, "-h": 0, "--help": 0}
-    assert split_launch_argv(["-B", "v", "--flag", "prog", "-B", "x"], table) == (["-B", "v", "--flag"], ["prog", "-B", "x"])
-    assert split_launch_argv(["--brand-new=v", "--", "--prog"], table) == (["--brand-new", "v"], ["--prog"])
+    assert read_launch_argv(["-B", "v", "--flag", "prog", "-B", "x"], table) == LaunchArgv(("-B", "v", "--flag"), (), ("prog", "-B", "x"))
+    assert read_launch_argv(["--brand-new=v", "--", "--prog"], table) == LaunchArgv(("--brand-new", "v"), (), ("--prog",))

@@ -147,3 +147,19 @@ def test_verbose_shows_the_decisions_then_runs():
     assert [line[len("dtrun: "):] for line in err if line.startswith("dtrun: ") and "DTRUN_JOB_DIR=" not in line] \
         == dry.stdout.splitlines()
     assert any(re.search(r"-x DTRUN_JOB_DIR=\S+/jobs/\S+ +# each rank leaves its pid", line) for line in err)
+
+
+def test_the_command_line_is_read_and_checked_once(monkeypatch, capsys):
+    """argv is split once (--mca's pairs and --traceback with it) and each usage check runs once."""
+    from dtrun.launcher import cli, optargs, usage
+
+    calls = {"split": 0, "checked": 0}
+    read, resolve_np = optargs.take_option, usage.resolve_np
+    monkeypatch.setattr(optargs, "take_option", lambda *a: calls.__setitem__("split", calls["split"] + 1) or read(*a))
+    monkeypatch.setattr(usage, "resolve_np",
+                        lambda *a: calls.__setitem__("checked", calls["checked"] + 1) or resolve_np(*a))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--dry-run", "-H", "localhost:2", "--mca", "btl_tcp_links", "2", "--traceback", "true"])
+    assert exit_.value.code == 0
+    assert "--mca btl_tcp_links 2 " in capsys.readouterr().out
+    assert calls == {"split": 4, "checked": 1}  # one take_option per option word, one check of the usage

@@ -137,8 +137,12 @@ def test_user_env_mca_mpi_args_and_nccl_debug():
 
 
 def test_mca_with_mpich_is_a_usage_error():
+    from dtrun.launcher.hosts import HostSelection
+    from dtrun.launcher.launch import LaunchOptions
+    from dtrun.launcher.usage import check_usage
+    selection = HostSelection(tuple(parse_host_list("s1:1")), "-H")
     with pytest.raises(UsageError, match="--mca is an Open MPI option"):
-        build_command(spec(mca=(("a", "b"),)), HYDRA)
+        check_usage(LaunchOptions(program=("true",), mca=(("a", "b"),)), HYDRA, selection, {})
 
 
 def test_redaction_of_secret_looking_values():

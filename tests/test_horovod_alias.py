@@ -20,7 +20,7 @@ import pytest
 from dtrun.launcher import command as cmd
 from dtrun.launcher import slurm
 from dtrun.launcher.flavors import MPICH, OPENMPI, Flavor
-from dtrun.launcher.hosts import resolve_hosts
+from dtrun.launcher.hosts import HostOptions, resolve_hosts
 from dtrun.launcher.launch import HOROVOD_ALIAS, LaunchOptions, make_spec
 from tests.dtrun_helpers import PYTHON, dtrun, one_line_error, user_env
 from tests.horovod_common import results
@@ -208,7 +208,7 @@ ALLOC = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_
 
 
 def _spec(flavor: Flavor, environ: dict, horovod: bool = True):
-    selection = resolve_hosts("n1:2,n2:2", environ={}) if "SLURM_JOB_ID" not in environ \
+    selection = resolve_hosts(HostOptions(host_list="n1:2,n2:2"), environ={}) if "SLURM_JOB_ID" not in environ \
         else resolve_hosts(environ=environ)
     return make_spec(LaunchOptions(program=("/bin/prog",), horovod=horovod, preflight=False), flavor,
                      selection, dict(environ, PATH="/usr/bin"))

@@ -9,7 +9,7 @@ from dtrun.launcher.hostfile import (
     HostSlots, parse_cluster_yaml, parse_host_list, parse_hostfile, read_cluster_file,
     read_hostfile, slurm_hosts,
 )
-from dtrun.launcher.hosts import HostSelection, merge_duplicates, resolve_hosts, resolve_np
+from dtrun.launcher.hosts import HostOptions, HostSelection, merge_duplicates, resolve_hosts, resolve_np
 
 HOSTFILES = Path(__file__).resolve().parent.parent / "hostfiles"
 
@@ -136,14 +136,14 @@ def test_leftover_nodelist_without_job_id_is_not_an_allocation():
 def test_resolve_prefers_explicit_then_slurm_then_localhost():
     env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "2(x2)"}
     assert resolve_hosts(environ=env).names == ["n1", "n2"]
-    assert resolve_hosts(host_list="a:1", environ=env).names == ["a"]
+    assert resolve_hosts(HostOptions(host_list="a:1"), environ=env).names == ["a"]
     local = resolve_hosts(environ={})
     assert local.names == ["localhost"] and local.total_slots == os.cpu_count()
 
 
 def test_two_host_sources_is_an_error():
     with pytest.raises(UsageError, match="give only one of -H, --hostfile and --cluster"):
-        resolve_hosts(host_list="a", hostfile="b", environ={})
+        resolve_hosts(HostOptions(host_list="a", hostfile="b"), environ={})
 
 
 def test_duplicates_merge_with_warning():
@@ -153,10 +153,10 @@ def test_duplicates_merge_with_warning():
 
 
 def test_include_exclude():
-    sel = resolve_hosts(host_list="a:1,b:2,c:3", include=["a,c"], exclude=["c"], environ={})
+    sel = resolve_hosts(HostOptions(host_list="a:1,b:2,c:3", include=("a,c",), exclude=("c",)), environ={})
     assert sel.names == ["a"]
     with pytest.raises(UnknownHostError, match="--include: zz not in the host list"):
-        resolve_hosts(host_list="a,b", include=["zz"], environ={})
+        resolve_hosts(HostOptions(host_list="a,b", include=("zz",)), environ={})
 
 
 def test_np_defaults_to_slots_and_checks_bounds():
