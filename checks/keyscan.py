@@ -12,7 +12,6 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
-from dtrun.checks import ssh
 from dtrun.checks.errors import HostKeyChanged, HostKeyRevoked, HostKeyUnknown
 from dtrun.checks.fanout import fan_out
 from dtrun.checks.knownhosts import describe_key, known_host_keys, verify_host_key
@@ -39,7 +38,7 @@ def fetch_key(target, timeout: float):
     sock = tcp_connect(target, timeout)
     transport = paramiko.Transport(sock)
     try:
-        return ssh.handshake(transport, target, timeout)
+        return handshake(transport, target, timeout)
     finally:
         transport.close()
 
