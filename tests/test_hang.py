@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from dtrun.launcher.remote import agent as remote_agent, pystacks, wire
+from dtrun import recorderfile
+from dtrun.launcher.remote import agent as remote_agent, pystacks
 from dtrun.launcher.jobstate import JobInfo
 from dtrun.launcher.stacks import HostAnswer, collect, format_ranks, roll_call
 from tests.dtrun_helpers import DTRUN, PYTHON, REPO, command_lines, start_script_job, user_env, wait_until_empty
@@ -102,9 +103,9 @@ def test_recorder_file_is_read_by_the_agent(tmp_path, monkeypatch, compiled):
     assert [(e["seq"], e["op"], e["dtype"], e["count"], e["root"]) for e in agent[-3:]] == [
         (recorder.RING + 3, "allreduce", "float64", 5, None), (recorder.RING + 4, "broadcast", "int32", 3, 0),
         (recorder.RING + 5, "barrier", "", 0, None)]
-    assert wire.REC_OPS == recorder.OPS and wire.REC_DTYPES == recorder.DTYPES
-    assert wire.REC_MAGIC == recorder.MAGIC
-    assert (wire.REC_VERSION, wire.REC_INSIDE_WORD) == (recorder.VERSION, recorder.INSIDE_WORD)
+    assert recorderfile.OPS == recorder.OPS and recorderfile.DTYPES == recorder.DTYPES
+    assert recorderfile.MAGIC == recorder.MAGIC
+    assert (recorderfile.VERSION, recorderfile.INSIDE_WORD) == (recorder.VERSION, recorder.INSIDE_WORD)
     c.free()
 
 

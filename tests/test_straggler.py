@@ -428,10 +428,11 @@ print("done", c.rank, flush=True)
 def test_recorder_flag_is_set_while_the_rank_waits_in_a_collective(tmp_path, compiled):
     """Rank 1 sleeps while rank 0 is in an allreduce: the agent's reads of the flight
     recorder find rank 0 inside and rank 1 not (the compiled engine's store, and Python's)."""
-    from dtrun.launcher.remote import rankstate, wire
+    from dtrun import recorderfile
+    from dtrun.launcher.remote import rankstate
     from dtrun.collectives import recorder
 
-    assert wire.REC_VERSION == recorder.VERSION and wire.REC_INSIDE_WORD == recorder.INSIDE_WORD
+    assert recorderfile.VERSION == recorder.VERSION and recorderfile.INSIDE_WORD == recorder.INSIDE_WORD
     script = tmp_path / "flag.py"
     script.write_text(FLAG_JOB)
     env = user_env(DTRUN_JOB_DIR=str(tmp_path), DTRUN_COMPILED=compiled, OMPI_ALLOW_RUN_AS_ROOT="1",
@@ -464,7 +465,7 @@ def test_recorder_flag_is_set_while_the_rank_waits_in_a_collective(tmp_path, com
     assert polls0 > 50 and inside0 >= 0.9 * polls0, got
     assert polls1 > 50 and inside1 == 0, got
     words = [rankstate.recorder_words(str(tmp_path), r) for r in (0, 1)]
-    assert [w[wire.REC_INSIDE_WORD] for w in words] == [0, 0]  # cleared on the way out
+    assert [w[recorderfile.INSIDE_WORD] for w in words] == [0, 0]  # cleared on the way out
 
 
 def test_top_table_groups_ranks_per_host_beyond_16_and_flags_the_straggler():

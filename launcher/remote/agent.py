@@ -49,7 +49,9 @@ import socket
 import threading
 import time
 
-from . import procfs, rankstate, wire
+from dtrun import recorderfile
+
+from . import procfs, rankstate
 from .procfs import proc_info
 from .pystacks import faulthandler_stacks, gdb_stacks, pyspy_stacks, source_line
 
@@ -64,14 +66,14 @@ def read_recorder(job_dir, rank):
 def recorder_entries(job_dir, rank):
     """(read_recorder's answer, why the rank's recorder file was not read or None)."""
     words, why = rankstate.read_recorder(job_dir, rank)
-    rec = None if words is None else wire.rec_decode(words)
+    rec = None if words is None else recorderfile.decode(words)
     return (None if rec is None else {"pid": rec["pid"], "entries": rec["entries"][-REC_SHOWN:]}), why
 
 
 def recorder_seq(job_dir, rank):
     """The newest sequence number in a rank's recorder, reading only the ring (cheap)."""
     words = rankstate.recorder_words(job_dir, rank)
-    return None if words is None else wire.rec_newest_seq(words)
+    return None if words is None else recorderfile.newest_seq(words)
 
 
 def _python_stacks(job_dir, rank, pid, timeout, via, out):
