@@ -19,6 +19,7 @@ import pytest
 from dtrun import recorderfile
 from dtrun.launcher.remote import agent as remote_agent, pystacks
 from dtrun.launcher.jobstate import JobInfo
+from dtrun.launcher.agentreport import parse_dump
 from dtrun.launcher.stacks import HostAnswer, collect, format_ranks, roll_call
 from tests.dtrun_helpers import DTRUN, PYTHON, REPO, command_lines, start_script_job, user_env, wait_until_empty
 
@@ -39,6 +40,11 @@ def _rank(n, host, frames, rec=None, **kw):
             "threads": [{"name": "main", "main": True, "frames": frames}], "recorder": rec or [], **kw}
 
 
+def _answer(host, ranks):
+    """A host's answer from the records its agent would send (parsed as collect parses them)."""
+    return HostAnswer(host, parse_dump({"ranks": ranks}, host))
+
+
 def _in_allreduce(line, seq):
     frames = [{"func": "Comm._allreduce", "file": RUNTIME, "line": 399},
               {"func": "Comm.allreduce", "file": RUNTIME, "line": 371},
@@ -55,7 +61,7 @@ def test_roll_call_names_the_odd_rank_and_its_host():
                 {"func": "step", "file": "/job/train.py", "line": 80, "code": "batch = load_batch()"}]
     ranks.append(_rank(4, "node3", sleeping, [{"seq": 1841, "op": "allreduce", "dtype": "float32",
                                               "count": 8, "root": None}]))
-    text = roll_call([HostAnswer("all", ranks)], "hang: no progress for 30 s.", expected=8)
+    text = roll_call([_answer("all", ranks)], "hang: no progress for 30 s.", expected=8)
     assert text.splitlines() == [
         "hang: no progress for 30 s.",
         "  ranks 0-3,5-7 (7 of 8) in allreduce #1842 at train.py:88 (step)",
@@ -73,7 +79,7 @@ def test_roll_call_mismatched_collective_and_unreachable_host():
         if n == 3:
             rec = [{"seq": 17, "op": "allreduce", "dtype": "float32", "count": 16, "root": None}]
         ranks.append(_rank(n, "a", frames, rec))
-    text = roll_call([HostAnswer("a", ranks), HostAnswer("b", error="no answer within 4 s")], "hang:")
+    text = roll_call([_answer("a", ranks), HostAnswer("b", error="no answer within 4 s")], "hang:")
     assert "  mismatch: rank 2 is in broadcast #17, the others in allreduce #17" in text
     assert "  mismatch: rank 3 is in allreduce #17 with 16 float32, the others with 8 float32" in text
     assert "  b: no answer within 4 s — its ranks are not in this report" in text

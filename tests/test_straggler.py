@@ -469,7 +469,8 @@ def test_recorder_flag_is_set_while_the_rank_waits_in_a_collective(tmp_path, com
 
 
 def test_top_table_groups_ranks_per_host_beyond_16_and_flags_the_straggler():
-    from dtrun.launcher.straggler import HostSample, RankView, Recent
+    from dtrun.launcher.agentreport import HostSample, RankView, SampledFrame
+    from dtrun.launcher.straggler import Recent
     from dtrun.launcher.top import render, view
 
     job = JobInfo("j1", "/nonexistent", ("a", "b", "c"), 18, 4242)
@@ -480,12 +481,14 @@ def test_top_table_groups_ranks_per_host_beyond_16_and_flags_the_straggler():
             slow = r == 8
             ranks.append(RankView(r, f"node-{host}", pid=100 + r, state="R", cpu=95.0, rss=3 << 30, span=2.0,
                                   colls=40, samples=60, waiting=3 if slow else 45, via="py-spy",
-                                  frames=[["decode_batch", "/job/train.py", 27, 38, False]] if slow else
-                                  [["<module>", "/job/train.py", 40, 30, True]], gpu_util=88.0, gpu_mem=30100.0))
-        latest[host] = HostSample(host, f"node-{host}", ranks)
+                                  frames=(SampledFrame("decode_batch", "/job/train.py", 27, 38, False),) if slow else
+                                  (SampledFrame("<module>", "/job/train.py", 40, 30, True),), gpu_util=88.0,
+                                  gpu_mem=30100.0))
+        latest[host] = HostSample(host, f"node-{host}", tuple(ranks))
         recent.add(latest[host])
     v = view(job, latest, recent.totals())
-    assert [r["rank"] for r in v["ranks"] if r["straggler"]] == [8]
+    assert [r.rank for r in v.ranks if r.straggler] == [8]
+    assert [r["rank"] for r in v.to_json()["ranks"] if r["straggler"]] == [8]
     text = render(v).splitlines()
     assert text[1].split() == ["HOST", "RANK", "STATE", "CPU%", "RSS", "COLL/S", "WAIT", "GPU%", "GPUMEM", "VIA"]
     assert text[2].split() == ["node-a", "0-5", "6", "95", "18432M", "20.0", "75%", "88", "30100M"]
@@ -498,10 +501,11 @@ def test_top_table_groups_ranks_per_host_beyond_16_and_flags_the_straggler():
 def test_start_up_skew_is_not_counted():
     """Ranks that start late make the others wait in their first collective: windows until
     every host is past its start-up are dropped; a later import drops nothing."""
-    from dtrun.launcher.straggler import HostSample, RankView, SteadyState
+    from dtrun.launcher.agentreport import HostSample, RankView
+    from dtrun.launcher.straggler import SteadyState
 
     def sample(host, at, startup=0):
-        return HostSample(host, host, [RankView(0, host, samples=20, waiting=10, startup=startup)], at=at, window=1.0)
+        return HostSample(host, host, (RankView(0, host, samples=20, waiting=10, startup=startup),), at=at, window=1.0)
 
     st = SteadyState()
     assert st.admit(sample("a", 1.0)) == (True, False)
