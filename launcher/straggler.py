@@ -8,28 +8,26 @@ collectives from the bundled runtime's flight recorder, or the share of py-spy (
 faulthandler) samples inside MPI, torch.distributed or NCCL calls. Only shares measured
 on each rank's own host are compared, never times across hosts.
 
-``find_straggler`` is pure; ``SampleStream`` runs the agents; ``StragglerWatch`` is the
-job observer that prints the finding at the end of a multi-rank job that ran at least
-``MIN_RUN_S`` seconds (and, with ``--top``, the live table during it).
+``find_straggler`` is pure; ``SampleStream`` (launcher/samplestream.py) runs the agents;
+``StragglerWatch`` is the job observer that prints the finding at the end of a multi-rank
+job that ran at least ``MIN_RUN_S`` seconds (and, with ``--top``, the live table during it).
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 from typing import Callable, Optional, Sequence
 
-from dtrun.launcher.agentreport import HostSample, RankView, combined_share, parse_sample
+from dtrun.launcher.agentreport import HostSample, RankView, combined_share
 from dtrun.launcher.jobstate import JobInfo
-from dtrun.launcher.job.agents import agent_argv
 from dtrun.launcher.paths import cache_dir
+from dtrun.launcher.samplestream import SampleStream
 from dtrun.launcher.stacks import format_ranks
 
 MIN_RUN_S = 5.0  # shorter jobs get no finding (too few samples to tell noise from a straggler)
@@ -249,103 +247,6 @@ def report_text(finding: Optional[Finding], totals: Sequence[RankTotals], headli
     if finding and finding.frame:
         lines += ["", f"the named ranks' user code: {finding.frame[1]}:{finding.frame[2]} in {finding.frame[0]}"]
     return "\n".join(lines) + "\n"
-
-
-# ------------------------------------------------------------------ the agents
-
-class SampleStream:
-    """``agent.py sample`` on every host of the job at once, one line per window each."""
-
-    def __init__(self, job: JobInfo, window: float = WINDOW_S, rate: float = RATE_HZ, once: bool = False,
-                 on_sample: Optional[Callable[[HostSample], None]] = None, connect_timeout: float = 5.0):
-        self.job, self.window, self.rate, self.once = job, window, rate, once
-        self.on_sample = on_sample
-        self.connect_timeout = connect_timeout
-        self.hosts = list(dict.fromkeys(job.hosts))
-        self._latest: dict[str, HostSample] = {}
-        self._lock = threading.Lock()
-        self._procs: list[subprocess.Popen] = []
-        self._threads: list[threading.Thread] = []
-        self._started_at = 0.0
-
-    def start(self) -> None:
-
-        via = "faulthandler" if os.environ.get("DTRUN_NO_PYSPY", "").strip() == "1" else "auto"
-        extra = [f"{self.rate:g}", via] + (["once"] if self.once else [])
-        self._started_at = time.monotonic()
-        for host in self.hosts:
-            argv = agent_argv(self.job, host, "sample", self.window, extra, connect_timeout=self.connect_timeout)
-            try:
-                p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-            except OSError as exc:
-                self._put(HostSample(host, error=f"cannot run {argv[0]}: {exc.strerror}"))
-                continue
-            self._procs.append(p)
-            t = threading.Thread(target=self._read, args=(host, p), daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _put(self, sample: HostSample) -> None:
-        sample = replace(sample, at=time.monotonic())
-        with self._lock:
-            self._latest[sample.host] = sample
-        if self.on_sample is not None:
-            try:
-                self.on_sample(sample)
-            except Exception:  # an observer's failure must never stop the readers
-                pass
-
-    def _read(self, host: str, p: subprocess.Popen) -> None:
-        err: deque = deque(maxlen=5)
-        t = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)
-        t.start()
-        got = False
-        for line in p.stdout:
-            try:
-                sample = parse_sample(json.loads(line), host, self.window)
-            except ValueError:
-                continue
-            if sample is not None:
-                got = True
-                self._put(sample)
-        p.wait()
-        t.join(1)
-        if not got:
-            why = next((ln.strip() for ln in reversed(err) if ln.strip()), f"exit code {p.returncode}")
-            self._put(HostSample(host, error=why[:200]))
-
-    def latest(self) -> dict[str, HostSample]:
-        with self._lock:
-            return dict(self._latest)
-
-    def wait_all(self, deadline: float) -> bool:
-        """Until every host has answered (a line or an error) or ``deadline`` (monotonic)."""
-        while time.monotonic() < deadline:
-            if len(self.latest()) == len(self.hosts):
-                return True
-            time.sleep(0.05)
-        return len(self.latest()) == len(self.hosts)
-
-    def running(self) -> bool:
-        """Whether some host's agent still runs (they end when their ranks have ended)."""
-        return any(p.poll() is None for p in self._procs)
-
-    def wait_ended(self, timeout: float) -> None:
-        """Until every agent has ended by itself (its ranks ended), at most ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-
-    def stop(self) -> None:
-        for p in self._procs:
-            if p.poll() is None:
-                p.kill()
-        for p in self._procs:
-            try:
-                p.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                pass
 
 
 def enabled(environ=os.environ) -> bool:

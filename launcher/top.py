@@ -9,7 +9,6 @@ top only reads (launcher/remote/waitsampler.py on every host), and Ctrl-C stops 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -21,7 +20,8 @@ from dtrun.launcher.errors import ExitCode, UsageError
 from dtrun.launcher.job import stopsignals
 from dtrun.launcher.jobstate import JobInfo, find_job
 from dtrun.launcher.stacks import format_ranks
-from dtrun.launcher.straggler import (Confirmed, Finding, RankTotals, Recent, SampleStream, find_straggler, frame_text,
+from dtrun.launcher.samplestream import SampleStream
+from dtrun.launcher.straggler import (Confirmed, Finding, RankTotals, Recent, find_straggler, frame_text,
                                       render_finding)
 
 GROUP_ABOVE = 16  # more ranks than this: one row per host
