@@ -51,7 +51,7 @@ import time
 
 from dtrun import recorderfile
 
-from . import procfs, rankstate
+from . import procfs, rankstate, sessiondirs, waitsampler
 from .procfs import proc_info
 from .pystacks import faulthandler_stacks, gdb_stacks, pyspy_stacks, source_line
 
@@ -317,7 +317,6 @@ def _wait_gone(pids, seconds, step):
 def _sweep_after(daemons, wait_s=0.5):
     """Remove the session directories that the killed MPI daemons left (launcher/remote/sessiondirs.py),
     once they are gone (a killed process counts as alive until its parent reaps it)."""
-    from . import sessiondirs
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and any(sessiondirs.alive(p) for p in daemons):
         time.sleep(0.02)
@@ -331,7 +330,6 @@ def main(argv):
     mode, job_dir = argv[0], argv[1]
     seconds = float(argv[2]) if len(argv) > 2 else (2.0 if mode == "dump" else 1.0)
     if mode == "sample":
-        from . import waitsampler
         rate = float(argv[3]) if len(argv) > 3 else 10.0
         via = argv[4] if len(argv) > 4 else "auto"  # "faulthandler" (no py-spy), "proc" (no stacks)
         return waitsampler.run(job_dir, seconds, rate, via, once="once" in argv[5:])
