@@ -85,6 +85,26 @@ def test_roll_call_mismatched_collective_and_unreachable_host():
     assert "  b: no answer within 4 s — its ranks are not in this report" in text
 
 
+def test_odd_fields_from_a_rank_writable_record_never_break_the_report():
+    """The agent copies fields from files a rank's program can rewrite: what is missing or of
+    the wrong type is read as absent, a record with no rank number is left out."""
+    frames, rec = _in_allreduce(20, 5)
+    ranks = [{"rank": "1"}, "junk", None,
+             {"rank": 0, "host": ["h"], "pid": "12", "alive": "no", "state": 3, "wchan": None, "error": {"x": 1},
+              "threads": [{"name": 7, "main": 1, "frames": [{"func": None, "line": "9"}, 4]}, "t"],
+              "recorder": [{"seq": "1"}, {"seq": 2, "op": 5, "count": None, "root": "0"}, 3]},
+             _rank(2, "h2", frames, rec)]
+    got = parse_dump({"ranks": ranks}, "node1")
+    assert [r.rank for r in got] == [0, 2]
+    odd = got[0]
+    assert (odd.host, odd.pid, odd.alive, odd.state, odd.wchan, odd.error) == ("node1", None, True, None, "", None)
+    assert [(f.func, f.file, f.line) for f in odd.threads[0].frames] == [("?", "", 0)]
+    assert [(e.seq, e.op, e.count, e.root) for e in odd.recorder] == [(2, "", 0, None)]
+    assert parse_dump(["not", "an", "object"], "node1") is None
+    text = roll_call([HostAnswer("node1", got)], "stacks:", expected=3)
+    assert text.splitlines()[0] == "stacks:" and "rank 1: no state on any host" in text
+
+
 @pytest.mark.parametrize("compiled", ["1", "0"])
 def test_recorder_file_is_read_by_the_agent(tmp_path, monkeypatch, compiled):
     """The runtime writes the ring (through the compiled engine's store, or Python's when it

@@ -498,6 +498,22 @@ def test_top_table_groups_ranks_per_host_beyond_16_and_flags_the_straggler():
     assert text[-1].startswith("straggler: rank 8 on node-b made the others wait 75% of the run (it waited 5%)")
 
 
+def test_odd_sample_lines_are_read_as_far_as_they_go():
+    """A sample line's odd fields become absent; its ranks without a number and its frames
+    of the wrong shape are left out; a line that is not an object is no sample."""
+    from dtrun.launcher.agentreport import SampledFrame, parse_sample
+
+    s = parse_sample({"host": 5, "window": "x", "gpus": {"a": 1}, "ranks": [
+        {"rank": 3, "samples": "9", "waiting": 4.0, "rss": float("nan"), "cpu": True, "frames": [
+            ["f", "/a.py", 3, 7, 1], ["g", "/b.py", "3", 1, 0], "xxxxx", [1, 2, 3, 4, 5]]},
+        {"rank": None}, {"samples": 3}]}, "h1", 2.0)
+    assert (s.host, s.name, s.window, s.gpus) == ("h1", "h1", 2.0, ())
+    (v,) = s.ranks
+    assert (v.rank, v.host, v.samples, v.waiting, v.rss, v.cpu) == (3, "h1", 0, 4, None, None)
+    assert v.frames == (SampledFrame("f", "/a.py", 3, 7, True),)
+    assert parse_sample([1], "h1", 1.0) is None
+
+
 def test_start_up_skew_is_not_counted():
     """Ranks that start late make the others wait in their first collective: windows until
     every host is past its start-up are dropped; a later import drops nothing."""
