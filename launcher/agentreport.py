@@ -1,13 +1,14 @@
 """The host agent's answers (launcher/remote/agent.py), parsed once into frozen dataclasses.
 
 The agent prints JSON: for ``dump`` one object with every rank's threads and flight
-recorder (``parse_dump``), for ``sample`` one line per window saying how each rank spent it
+recorder (``parse_dump``), for ``watch`` one line per interval with each rank's progress
+(``parse_watch``), for ``sample`` one line per window saying how each rank spent it
 (``parse_sample``). Much of it was read from files a rank's own program can rewrite (its
 state file, its faulthandler's output, its recorder), so the parsing is tolerant, as the
 agent is: a missing field or one of the wrong type becomes None, zero or empty, a frame or
 recorder entry that cannot be read is left out, and nothing here raises. The hang report
-(stacks.py), the straggler finding (straggler.py) and ``dtrun top`` (top.py) read these
-types only, never the JSON.
+(stacks.py), the hang watch (hangwatch.py), the straggler finding (straggler.py) and
+``dtrun top`` (top.py) read these types only, never the JSON.
 """
 from __future__ import annotations
 
@@ -131,6 +132,17 @@ def parse_dump(data: Any, host: str) -> Optional[tuple[RankStack, ...]]:
     if not isinstance(data, dict):
         return None
     return tuple(r for r in (parse_rank(d, host) for d in _list(data.get("ranks"))) if r is not None)
+
+
+# ------------------------------------------------------------------ watch: progress per interval
+
+def parse_watch(data: Any) -> Optional[dict[str, tuple[Optional[int], Optional[int]]]]:
+    """The ranks of one ``watch`` line: rank → (the newest sequence number in its flight
+    recorder, the size of its log), each None where there is none; None when the line is not one."""
+    if not isinstance(data, dict) or not isinstance(data.get("ranks"), dict):
+        return None
+    return {str(rank): (_int(pair[0]), _int(pair[1])) for rank, pair in data["ranks"].items()
+            if isinstance(pair, list) and len(pair) == 2}
 
 
 # ------------------------------------------------------------------ sample: one window per host

@@ -19,7 +19,7 @@ import pytest
 from dtrun import recorderfile
 from dtrun.launcher.remote import agent as remote_agent, pystacks
 from dtrun.launcher.jobstate import JobInfo
-from dtrun.launcher.agentreport import parse_dump
+from dtrun.launcher.agentreport import parse_dump, parse_watch
 from dtrun.launcher.stacks import HostAnswer, collect, format_ranks, roll_call
 from tests.dtrun_helpers import DTRUN, PYTHON, REPO, command_lines, start_script_job, user_env, wait_until_empty
 
@@ -103,6 +103,12 @@ def test_odd_fields_from_a_rank_writable_record_never_break_the_report():
     assert parse_dump(["not", "an", "object"], "node1") is None
     text = roll_call([HostAnswer("node1", got)], "stacks:", expected=3)
     assert text.splitlines()[0] == "stacks:" and "rank 1: no state on any host" in text
+
+
+def test_watch_lines_are_read_as_far_as_they_go():
+    assert parse_watch({"host": "h", "ranks": {"0": [17, None], "1": [None, 4096], "2": [1], "3": "x"}}) == {
+        "0": (17, None), "1": (None, 4096)}
+    assert parse_watch({"ranks": [1, 2]}) is None and parse_watch(None) is None
 
 
 @pytest.mark.parametrize("compiled", ["1", "0"])
