@@ -8,7 +8,7 @@ sequence number, operation, dtype, element count and root. dtrun's stack agent r
 file while the rank is blocked (no cooperation from the rank, no signal), so a hang report
 can say "rank 2 is in broadcast #17, the others in allreduce #17".
 
-The file format (header, ring slots, the ``desc`` word) is ``launcher.remote.wire``'s,
+The file format (header, ring slots, the ``desc`` word) is ``dtrun/recorderfile.py``'s,
 which dtrun's agent reads with the standard library: one definition for both sides. The
 writer stores ``desc`` before ``seq``. Header word ``INSIDE_WORD`` is 1 while the rank is
 inside a blocking collective, 0 otherwise: dtrun's agent on the rank's host reads it a few
@@ -29,31 +29,31 @@ import mmap
 import os
 import stat
 
-from dtrun.launcher.remote import wire as _wire
+from dtrun import recorderfile as _format
 
 # The format's names as this package (and its tests) know them.
-MAGIC, VERSION, INSIDE_WORD = _wire.REC_MAGIC, _wire.REC_VERSION, _wire.REC_INSIDE_WORD
-RING, HEADER_WORDS, COUNT_BITS = _wire.REC_RING, _wire.REC_HEADER_WORDS, _wire.REC_COUNT_BITS
-OPS, DTYPES = _wire.REC_OPS, _wire.REC_DTYPES
+MAGIC, VERSION, INSIDE_WORD = _format.MAGIC, _format.VERSION, _format.INSIDE_WORD
+RING, HEADER_WORDS, COUNT_BITS = _format.RING, _format.HEADER_WORDS, _format.COUNT_BITS
+OPS, DTYPES = _format.OPS, _format.DTYPES
 MASK = RING - 1
 
-OP_BITS = {name: i << _wire.REC_OP_SHIFT for i, name in enumerate(OPS) if name}
+OP_BITS = {name: i << _format.OP_SHIFT for i, name in enumerate(OPS) if name}
 _DTYPE_CODES = {name: i for i, name in enumerate(DTYPES) if name}
 
 
 def dtype_bits(dtype) -> int:
     """The dtype's field of ``desc`` (0 for a dtype the format does not name)."""
-    return _DTYPE_CODES.get(str(dtype), 0) << _wire.REC_DTYPE_SHIFT
+    return _DTYPE_CODES.get(str(dtype), 0) << _format.DTYPE_SHIFT
 
 
 def root_bits(root: int) -> int:
     if root is None or root < 0:
         return 0
-    return (min(int(root), 0xFFFE) + 1) << _wire.REC_ROOT_SHIFT
+    return (min(int(root), 0xFFFE) + 1) << _format.ROOT_SHIFT
 
 
 def path_for(job_dir: str, rank) -> str:
-    return os.path.join(job_dir, _wire.rec_file(rank))
+    return os.path.join(job_dir, _format.file_name(rank))
 
 
 def open_ring(rank: int, environ=os.environ):
@@ -61,7 +61,7 @@ def open_ring(rank: int, environ=os.environ):
     job_dir = environ.get("DTRUN_JOB_DIR")
     if not job_dir or environ.get("DTRUN_RECORDER", "1").strip() == "0":
         return None
-    nbytes = (HEADER_WORDS + 2 * RING) * 8
+    nbytes = _format.NBYTES
     try:
         # Never through a link (O_TRUNC would empty the file it names), and only a regular file
         # is made the ring (a FIFO or device put there is left alone: no recorder then).
@@ -148,4 +148,4 @@ def decode(buf: bytes) -> dict | None:
     """The recorder's header and entries, oldest first (None if ``buf`` is not one)."""
     if len(buf) % 8:
         return None
-    return _wire.rec_decode(memoryview(bytes(buf)).cast("q"))
+    return _format.decode(memoryview(bytes(buf)).cast("q"))

@@ -15,12 +15,14 @@ import re
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from dtrun.launcher.agentreport import Frame, RankStack, RecEntry, parse_dump
 from dtrun.launcher.job.agents import agent_argv
 from dtrun.launcher.jobstate import JobInfo
+from dtrun.launcher.paths import cache_dir
 
 _RUNTIME_DIR = str(Path(__file__).resolve().parent.parent / "collectives") + os.sep
 _LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/mpi4py/", "<frozen ")
@@ -30,10 +32,12 @@ _KEYWORDS = {"if", "elif", "while", "for", "return", "switch", "sizeof", "not", 
 _SAME_SHAPE_OPS = {"allreduce", "reduce", "broadcast", "allgather", "alltoall", "reduce_scatter"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class HostAnswer:
+    """One host's answer to ``dump``: its ranks, or why there are none (``error``)."""
+
     host: str
-    ranks: list = field(default_factory=list)
+    ranks: tuple[RankStack, ...] = ()
     error: Optional[str] = None
 
 
@@ -70,11 +74,14 @@ def collect(job: JobInfo, timeout: float = 5.0, via: Optional[str] = None) -> li
             answers[i] = HostAnswer(host, error=f"cannot run {argv[0]}: {exc.strerror}")
             return
         try:
-            data = json.loads(p.stdout.strip().splitlines()[-1])
-            answers[i] = HostAnswer(host, data.get("ranks", []))
+            ranks = parse_dump(json.loads(p.stdout.strip().splitlines()[-1]), host)
         except (ValueError, IndexError):
+            ranks = None
+        if ranks is None:
             why = (p.stderr.strip().splitlines() or [f"exit code {p.returncode}"])[-1][:200]
             answers[i] = HostAnswer(host, error=why)
+        else:
+            answers[i] = HostAnswer(host, ranks)
 
     threads = [threading.Thread(target=ask, args=(i, h), daemon=True) for i, h in enumerate(hosts)]
     for t in threads:
@@ -94,71 +101,62 @@ def _is_library(path: str) -> bool:
             or not path.startswith(("/", "<string>")))  # not on this disk: a system library's debug path
 
 
-def _main_thread(rank: dict) -> Optional[dict]:
-    threads = rank.get("threads") or []
-    for t in threads:
-        if t.get("main"):
-            return t
-    return threads[0] if threads else None
-
-
 def _short(path: str) -> str:
     return os.path.basename(path) if path else "?"
 
 
-def where(rank: dict) -> dict:
+@dataclass(frozen=True)
+class Where:
     """Where one rank is: the user's innermost frame, the call on that line, the collective."""
-    t = _main_thread(rank)
-    info = {"collective": None, "user": None, "call": None}
+
+    collective: Optional[str] = None
+    user: Optional[Frame] = None
+    call: Optional[str] = None
+
+
+def where(rank: RankStack) -> Where:
+    """Where one rank is, from its main thread's stack."""
+    t = rank.main_thread
     if t is None:
-        return info
-    frames = t["frames"]
-    coll = inner = None
-    for fr in frames:  # innermost first
-        path = fr.get("file", "")
-        if path.startswith(_RUNTIME_DIR):
+        return Where()
+    coll = inner = user = None
+    for fr in t.frames:  # innermost first
+        if fr.file.startswith(_RUNTIME_DIR):
             # The outermost runtime frame wins (the public method); py-spy says "Comm._allreduce".
-            coll = fr["func"].rsplit(".", 1)[-1].lstrip("_")
+            coll = fr.func.rsplit(".", 1)[-1].lstrip("_")
             continue
-        if (_is_library(path) and path != "<string>") or not fr.get("line"):
-            inner = fr["func"]  # the library function the user's line called (native: sleep, MPI_Barrier)
+        if (_is_library(fr.file) and fr.file != "<string>") or not fr.line:
+            inner = fr.func  # the library function the user's line called (native: sleep, MPI_Barrier)
             continue
-        info["user"] = fr
+        user = fr
         break
-    if info["user"] is None and frames:
-        info["user"] = frames[0]
-        inner = None
-    info["collective"] = coll
-    code = (info["user"] or {}).get("code") or ""
+    if user is None and t.frames:
+        user, inner = t.frames[0], None
+    code = user.code if user is not None else ""
     calls = [c for c in _CALL_RE.findall(code) if c not in _KEYWORDS]
+    call = None
     if inner is not None:
-        info["call"] = inner.rsplit(".", 1)[-1] if rank.get("source") != "gdb" else inner
+        call = inner.rsplit(".", 1)[-1] if rank.source != "gdb" else inner
     elif calls and not code.startswith(("def ", "class ")):
-        info["call"] = calls[0]  # a builtin (time.sleep, MPI's Barrier) has no frame of its own
-    return info
+        call = calls[0]  # a builtin (time.sleep, MPI's Barrier) has no frame of its own
+    return Where(coll, user, call)
 
 
-def _head(rank: dict) -> Optional[dict]:
-    rec = rank.get("recorder") or []
-    return rec[-1] if rec else None
-
-
-def describe(rank: dict) -> str:
+def describe(rank: RankStack) -> str:
     """The group key: one phrase saying where the rank is (no rank number, no host)."""
-    if rank.get("error") and not rank.get("threads"):
-        state = rank.get("state", "")
-        bits = [f"state {state}" if state else "", f"wchan {rank['wchan']}" if rank.get("wchan") else ""]
-        return ", ".join(b for b in bits if b) + f" (no stack: {rank['error']})"
+    if rank.error and not rank.threads:
+        bits = [f"state {rank.state}" if rank.state else "", f"wchan {rank.wchan}" if rank.wchan else ""]
+        return ", ".join(b for b in bits if b) + f" (no stack: {rank.error})"
     w = where(rank)
-    fr = w["user"]
-    at = f"{_short(fr['file'])}:{fr['line']} ({fr['func']})" if fr and fr.get("line") else \
-        (f"{fr['func']} ({_short(fr['file'])})" if fr else "?")
-    head = _head(rank)
-    if w["collective"]:
-        seq = f" #{head['seq']}" if head and head["op"] == w["collective"] else ""
-        return f"in {w['collective']}{seq} at {at}"
-    if w["call"]:
-        return f"in {w['call']} at {at}"
+    fr = w.user
+    at = f"{_short(fr.file)}:{fr.line} ({fr.func})" if fr and fr.line else \
+        (f"{fr.func} ({_short(fr.file)})" if fr else "?")
+    head = rank.recorder_head
+    if w.collective:
+        seq = f" #{head.seq}" if head and head.op == w.collective else ""
+        return f"in {w.collective}{seq} at {at}"
+    if w.call:
+        return f"in {w.call} at {at}"
     return f"at {at}"
 
 
@@ -179,46 +177,72 @@ def _rank_word(ranks) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + format_ranks(ranks)
 
 
-def mismatches(ranks: Sequence[dict]) -> list[str]:
+def _signature(h: RecEntry) -> tuple:
+    return h.dtype, h.count, h.root
+
+
+def _shape(dtype: str, count: int, root: Optional[int]) -> str:
+    return f"{count} {dtype}" + (f" root {root}" if root is not None else "")
+
+
+def mismatches(ranks: Sequence[RankStack]) -> list[str]:
     """One line per rank whose flight recorder disagrees with the others' (ranks inside a collective)."""
-    heads = {}
+    heads: dict[int, RecEntry] = {}
     for r in ranks:
-        h = _head(r)
-        w = where(r)
-        if h is not None and (w["collective"] or not r.get("threads")):
-            heads[int(r["rank"])] = h
+        h = r.recorder_head
+        if h is not None and (where(r).collective or not r.threads):
+            heads[r.rank] = h
     if len(heads) < 2:
         return []
-    def key(h):
-        return (h["seq"], h["op"])
     counts: dict = {}
     for h in heads.values():
-        counts[key(h)] = counts.get(key(h), 0) + 1
+        counts[(h.seq, h.op)] = counts.get((h.seq, h.op), 0) + 1
     common = max(counts, key=lambda k: (counts[k], k[0]))
     lines = []
     odd: dict = {}
     for rank, h in sorted(heads.items()):
-        if key(h) != common:
-            odd.setdefault(key(h), []).append(rank)
+        if (h.seq, h.op) != common:
+            odd.setdefault((h.seq, h.op), []).append(rank)
     for (seq, op), rs in sorted(odd.items(), key=lambda kv: kv[1][0]):
         who = _rank_word(rs) + (" is" if len(rs) == 1 else " are")
         if seq == common[0]:
             lines.append(f"{who} in {op} #{seq}, the others in {common[1]} #{common[0]}")
         else:
             lines.append(f"{who} at #{seq} ({op}), the others at #{common[0]} ({common[1]})")
-    # Same operation and sequence, different arguments.
-    ref = [h for h in heads.values() if key(h) == common]
-    if ref and common[1] in _SAME_SHAPE_OPS:
-        sig_counts: dict = {}
-        for h in ref:
-            s = (h["dtype"], h["count"], h["root"])
-            sig_counts[s] = sig_counts.get(s, 0) + 1
-        base = max(sig_counts, key=lambda s: sig_counts[s])
-        for rank, h in sorted(heads.items()):
-            if key(h) == common and (h["dtype"], h["count"], h["root"]) != base:
-                what = f"{h['count']} {h['dtype']}" + (f" root {h['root']}" if h["root"] is not None else "")
-                other = f"{base[1]} {base[0]}" + (f" root {base[2]}" if base[2] is not None else "")
-                lines.append(f"rank {rank} is in {common[1]} #{common[0]} with {what}, the others with {other}")
+    if common[1] in _SAME_SHAPE_OPS:
+        same = {rank: h for rank, h in heads.items() if (h.seq, h.op) == common}
+        lines += _other_arguments(same, common)
+    return lines
+
+
+def _other_arguments(same: dict[int, RecEntry], common: tuple) -> list[str]:
+    """The ranks in the common collective with other arguments (dtype, count, root) than most."""
+    sig_counts: dict = {}
+    for h in same.values():
+        sig_counts[_signature(h)] = sig_counts.get(_signature(h), 0) + 1
+    if not sig_counts:
+        return []
+    base = max(sig_counts, key=lambda sig: sig_counts[sig])
+    return [f"rank {rank} is in {common[1]} #{common[0]} with {_shape(*_signature(h))}, the others with "
+            f"{_shape(*base)}" for rank, h in sorted(same.items()) if _signature(h) != base]
+
+
+def _group_lines(live: Sequence[RankStack]) -> list[str]:
+    """One line per group of ranks in the same place, the largest first; the odd ones marked."""
+    groups: dict[str, list[RankStack]] = {}
+    for r in live:
+        groups.setdefault(describe(r), []).append(r)
+    ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(r.rank for r in kv[1])))
+    lines = []
+    total = len(live)
+    for i, (desc, members) in enumerate(ordered):
+        nums = [r.rank for r in members]
+        if len(ordered) == 1 or (i == 0 and len(members) > 1):
+            lines.append(f"  {_rank_word(nums)} ({len(members)} of {total}) {desc}")
+            continue
+        hosts = sorted({r.host for r in members})
+        pid = f" (pid {members[0].pid})" if len(members) == 1 and not members[0].threads else ""
+        lines.append(f"  {_rank_word(nums)} on {','.join(hosts)}{pid} {desc}   ← not with the others")
     return lines
 
 
@@ -226,42 +250,43 @@ def roll_call(answers: Sequence[HostAnswer], headline: str, expected: Optional[i
               stacks_file: Optional[str] = None) -> str:
     """The report: one line per group of ranks that are in the same place; odd ones marked."""
     ranks = [r for a in answers for r in a.ranks]
-    live = [r for r in ranks if r.get("alive", True) and (r.get("threads") or r.get("state"))]
-    groups: dict[str, list[dict]] = {}
-    for r in live:
-        groups.setdefault(describe(r), []).append(r)
-    ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(int(r["rank"]) for r in kv[1])))
-    lines = [headline]
-    total = len(live)
-    for i, (desc, members) in enumerate(ordered):
-        nums = [int(r["rank"]) for r in members]
-        if i == 0 and len(ordered) > 1 and len(members) > 1:
-            lines.append(f"  {_rank_word(nums)} ({len(members)} of {total}) {desc}")
-            continue
-        hosts = sorted({r["host"] for r in members})
-        pid = f" (pid {members[0]['pid']})" if len(members) == 1 and not members[0].get("threads") else ""
-        line = f"  {_rank_word(nums)} on {','.join(hosts)}{pid} {desc}"
-        if len(ordered) == 1:
-            line = f"  {_rank_word(nums)} ({len(members)} of {total}) {desc}"
-        elif i > 0 or len(members) == 1:
-            line += "   ← not with the others"
-        lines.append(line)
+    live = [r for r in ranks if r.alive and (r.threads or r.state)]
+    lines = [headline] + _group_lines(live)
     for m in mismatches(live):
         lines.append(f"  mismatch: {m}")
     for r in ranks:
         if r not in live:
-            lines.append(f"  rank {r.get('rank')} on {r.get('host')}: {r.get('error') or 'no stack'}")
+            lines.append(f"  rank {r.rank} on {r.host}: {r.error or 'no stack'}")
     for a in answers:
         if a.error:
             lines.append(f"  {a.host}: {a.error} — its ranks are not in this report")
     if expected is not None:
-        seen = {int(r["rank"]) for r in ranks}
-        missing = sorted(set(range(expected)) - seen)
+        missing = sorted(set(range(expected)) - {r.rank for r in ranks})
         if missing and not any(a.error for a in answers):
             lines.append(f"  {_rank_word(missing)}: no state on any host (not started yet, or already ended)")
     if stacks_file:
         lines.append(f"  full stacks: {stacks_file}")
     return "\n".join(lines)
+
+
+def _rank_stacks(r: RankStack) -> list[str]:
+    """One rank's part of the full stacks file."""
+    out = [f"== rank {r.rank} on {r.host} pid {r.pid} state {r.state if r.state is not None else '?'} "
+           f"wchan {r.wchan or '-'} via {r.source or '-'}"]
+    if r.error:
+        out.append(f"   ({r.error})")
+    for t in r.threads:
+        out.append(f"  {t.name}{' (main)' if t.main else ''}:")
+        for fr in reversed(t.frames):
+            out.append(f"    File \"{fr.file}\", line {fr.line}, in {fr.func}")
+            if fr.code:
+                out.append(f"      {fr.code}")
+    if r.recorder:
+        out.append("  flight recorder (oldest first):")
+        for e in r.recorder:
+            root = f" root {e.root}" if e.root is not None else ""
+            out.append(f"    #{e.seq} {e.op} {e.count} {e.dtype}{root}")
+    return out + [""]
 
 
 def full_stacks(answers: Sequence[HostAnswer]) -> str:
@@ -270,31 +295,14 @@ def full_stacks(answers: Sequence[HostAnswer]) -> str:
     for a in answers:
         if a.error:
             out.append(f"== host {a.host}: {a.error}\n")
-        for r in sorted(a.ranks, key=lambda r: int(r["rank"])):
-            out.append(f"== rank {r['rank']} on {r['host']} pid {r.get('pid')} state {r.get('state', '?')} "
-                       f"wchan {r.get('wchan') or '-'} via {r.get('source') or '-'}")
-            if r.get("error"):
-                out.append(f"   ({r['error']})")
-            for t in r.get("threads") or []:
-                out.append(f"  {t['name']}{' (main)' if t.get('main') else ''}:")
-                for fr in reversed(t["frames"]):
-                    out.append(f"    File \"{fr['file']}\", line {fr['line']}, in {fr['func']}")
-                    if fr.get("code"):
-                        out.append(f"      {fr['code']}")
-            if r.get("recorder"):
-                out.append("  flight recorder (oldest first):")
-                for e in r["recorder"]:
-                    root = f" root {e['root']}" if e.get("root") is not None else ""
-                    out.append(f"    #{e['seq']} {e['op']} {e['count']} {e['dtype']}{root}")
-            out.append("")
+        for r in sorted(a.ranks, key=lambda r: r.rank):
+            out += _rank_stacks(r)
     return "\n".join(out) + "\n"
 
 
 def report(job: JobInfo, headline: str, timeout: float = 5.0, out_dir: Optional[str] = None,
            via: Optional[str] = None) -> tuple[str, str, list[HostAnswer]]:
     """Collect, write the whole stacks to a file, return (roll call, file, answers)."""
-    from dtrun.launcher.paths import cache_dir
-
     answers = collect(job, timeout, via)
     d = Path(out_dir or job.log_dir or (cache_dir() / "hangs"))
     d.mkdir(parents=True, exist_ok=True)

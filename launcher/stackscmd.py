@@ -5,13 +5,12 @@ import sys
 from typing import Optional
 
 from dtrun.launcher.errors import ExitCode, UsageError
+from dtrun.launcher.jobstate import find_job
+from dtrun.launcher.stacks import report
 
 
 def show_stacks(selector: Optional[str], timeout: float) -> int:
     """Find the running job, collect every rank's stack, print the report; 1 if a host did not answer."""
-    from dtrun.launcher.jobstate import find_job
-    from dtrun.launcher.stacks import report
-
     if not timeout > 0:
         raise UsageError(f"--timeout {timeout:g}: give a number of seconds above 0")
     job = find_job(selector)

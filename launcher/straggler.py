@@ -8,25 +8,27 @@ collectives from the bundled runtime's flight recorder, or the share of py-spy (
 faulthandler) samples inside MPI, torch.distributed or NCCL calls. Only shares measured
 on each rank's own host are compared, never times across hosts.
 
-``find_straggler`` is pure; ``SampleStream`` runs the agents; ``StragglerWatch`` is the
-job observer that prints the finding at the end of a multi-rank job that ran at least
-``MIN_RUN_S`` seconds (and, with ``--top``, the live table during it).
+``find_straggler`` is pure; ``SampleStream`` (launcher/samplestream.py) runs the agents;
+``StragglerWatch`` is the job observer that prints the finding at the end of a multi-rank
+job that ran at least ``MIN_RUN_S`` seconds (and, with ``--top``, the live table during it).
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from statistics import median
 from typing import Callable, Optional, Sequence
 
+from dtrun.launcher.agentreport import HostSample, RankView, combined_share
 from dtrun.launcher.jobstate import JobInfo
-from dtrun.launcher.job.agents import agent_argv
+from dtrun.launcher.paths import cache_dir
+from dtrun.launcher.samplestream import SampleStream
+from dtrun.launcher.stacks import format_ranks
 
 MIN_RUN_S = 5.0  # shorter jobs get no finding (too few samples to tell noise from a straggler)
 START_DELAY_S = 2.0  # sampling starts this long after every rank started (imports, rendezvous: busy ranks)
@@ -47,85 +49,6 @@ SPREAD = 4.0
 MIN_SAMPLES = 15
 MIN_POLLS = 300  # reads of a recorder's flag: about 1.5 s
 DISABLE_VAR = "DTRUN_STRAGGLER"  # =0: no sampling during jobs, no finding
-
-
-@dataclass
-class RankView:
-    """One rank in one window, as its host's agent measured it."""
-
-    rank: int
-    host: str
-    pid: Optional[int] = None
-    state: str = ""
-    cpu: Optional[float] = None
-    rss: Optional[int] = None
-    span: float = 0.0
-    colls: Optional[int] = None  # collectives started in the window (recorder sequence)
-    rec_polls: int = 0  # reads of the recorder's "inside a collective" flag in the window
-    rec_inside: int = 0  # ... that found it set
-    samples: int = 0
-    waiting: int = 0
-    startup: int = 0  # samples in imports or process-group set-up (not counted in samples)
-    frames: list = field(default_factory=list)  # [[func, file, line, count, waiting], ...]
-    via: str = ""
-    gpu_util: Optional[float] = None
-    gpu_mem: Optional[float] = None
-    error: Optional[str] = None
-    stack_error: Optional[str] = None
-    ended: bool = False
-
-    @classmethod
-    def parse(cls, d: dict, host: str) -> "RankView":
-        def num(key, kind=float):
-            v = d.get(key)
-            return kind(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-        return cls(rank=int(d["rank"]), host=host, pid=num("pid", int), state=str(d.get("state", "")),
-                   cpu=num("cpu"), rss=num("rss", int), span=num("span") or 0.0, colls=num("colls", int),
-                   rec_polls=num("rec_polls", int) or 0, rec_inside=num("rec_inside", int) or 0,
-                   samples=num("samples", int) or 0, startup=num("startup", int) or 0,
-                   waiting=num("waiting", int) or 0, frames=[f for f in d.get("frames") or [] if len(f) == 5],
-                   via=str(d.get("via", "")), gpu_util=num("gpu_util"), gpu_mem=num("gpu_mem"),
-                   error=d.get("error"), stack_error=d.get("stack_error"), ended=bool(d.get("ended")))
-
-    @property
-    def wait_share(self) -> Optional[float]:
-        return combined_share(self.rec_inside / self.rec_polls if self.rec_polls else None,
-                              self.waiting / self.samples if self.samples else None)
-
-    @property
-    def rate(self) -> Optional[float]:
-        return self.colls / self.span if self.colls is not None and self.span > 0 else None
-
-    @property
-    def frame(self) -> Optional[list]:
-        return self.frames[0] if self.frames else None
-
-
-def combined_share(flag: Optional[float], sampled: Optional[float]) -> Optional[float]:
-    """The waiting share from the recorder's flag and from stack samples, where both exist:
-    the larger. The flag is exact but covers blocking collectives only; the samples also see
-    a rank waiting on a non-blocking collective's handle (collectives.dp overlaps them with
-    the backward pass), or in MPI or torch.distributed calls of its own."""
-    if flag is None or sampled is None:
-        return sampled if flag is None else flag
-    return max(flag, sampled)
-
-
-@dataclass
-class HostSample:
-    host: str  # as the job names it (what ssh reaches)
-    name: str = ""  # as the host names itself
-    ranks: list = field(default_factory=list)
-    gpus: list = field(default_factory=list)
-    error: Optional[str] = None
-    at: float = 0.0  # when it arrived (this machine's monotonic clock)
-    window: float = 0.0
-
-    @property
-    def starting(self) -> bool:
-        """Whether a rank here was still starting (imports, set-up) in this window."""
-        return any(v.startup for v in self.ranks)
 
 
 class SteadyState:
@@ -169,9 +92,9 @@ class RankTotals:
         self.waiting += v.waiting
         self.rec_polls += v.rec_polls
         self.rec_inside += v.rec_inside
-        for func, path, line, n, w in v.frames:
-            key = (func, path, line, bool(w))
-            self.frames[key] = self.frames.get(key, 0) + n
+        for f in v.frames:
+            key = (f.func, f.file, f.line, f.waiting)
+            self.frames[key] = self.frames.get(key, 0) + f.count
         if self.rec_polls:
             self.via = "recorder"
         elif v.samples or not self.via:
@@ -181,13 +104,6 @@ class RankTotals:
         """Share of the measured time spent waiting for peers (None: too little measured)."""
         return combined_share(self.rec_inside / self.rec_polls if self.rec_polls >= min_polls else None,
                               self.waiting / self.samples if self.samples >= min_samples else None)
-
-    def busy_frame(self) -> Optional[tuple]:
-        """The user frame where most of its non-waiting samples were: (func, file, line)."""
-        busy = [(n, k) for k, n in self.frames.items() if not k[3]]
-        if not busy:
-            return None
-        return max(busy)[1][:3]
 
 
 def accumulate(totals: dict, sample: HostSample) -> None:
@@ -304,8 +220,6 @@ def frame_text(frame) -> str:
 
 
 def render_finding(f: Finding) -> str:
-    from dtrun.launcher.stacks import format_ranks
-
     if f.whole_host:
         who, pron = f"host {f.hosts[0]} (ranks {format_ranks(f.ranks)})", "they"
     elif len(f.ranks) == 1:
@@ -333,106 +247,6 @@ def report_text(finding: Optional[Finding], totals: Sequence[RankTotals], headli
     if finding and finding.frame:
         lines += ["", f"the named ranks' user code: {finding.frame[1]}:{finding.frame[2]} in {finding.frame[0]}"]
     return "\n".join(lines) + "\n"
-
-
-# ------------------------------------------------------------------ the agents
-
-class SampleStream:
-    """``agent.py sample`` on every host of the job at once, one line per window each."""
-
-    def __init__(self, job: JobInfo, window: float = WINDOW_S, rate: float = RATE_HZ, once: bool = False,
-                 on_sample: Optional[Callable[[HostSample], None]] = None, connect_timeout: float = 5.0):
-        self.job, self.window, self.rate, self.once = job, window, rate, once
-        self.on_sample = on_sample
-        self.connect_timeout = connect_timeout
-        self.hosts = list(dict.fromkeys(job.hosts))
-        self._latest: dict[str, HostSample] = {}
-        self._lock = threading.Lock()
-        self._procs: list[subprocess.Popen] = []
-        self._threads: list[threading.Thread] = []
-        self._started_at = 0.0
-
-    def start(self) -> None:
-
-        via = "faulthandler" if os.environ.get("DTRUN_NO_PYSPY", "").strip() == "1" else "auto"
-        extra = [f"{self.rate:g}", via] + (["once"] if self.once else [])
-        self._started_at = time.monotonic()
-        for host in self.hosts:
-            argv = agent_argv(self.job, host, "sample", self.window, extra, connect_timeout=self.connect_timeout)
-            try:
-                p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-            except OSError as exc:
-                self._put(HostSample(host, error=f"cannot run {argv[0]}: {exc.strerror}"))
-                continue
-            self._procs.append(p)
-            t = threading.Thread(target=self._read, args=(host, p), daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _put(self, sample: HostSample) -> None:
-        sample.at = time.monotonic()
-        with self._lock:
-            self._latest[sample.host] = sample
-        if self.on_sample is not None:
-            try:
-                self.on_sample(sample)
-            except Exception:  # an observer's failure must never stop the readers
-                pass
-
-    def _read(self, host: str, p: subprocess.Popen) -> None:
-        err: deque = deque(maxlen=5)
-        t = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)
-        t.start()
-        got = False
-        for line in p.stdout:
-            try:
-                data = json.loads(line)
-                name = str(data.get("host") or host)
-                ranks = [RankView.parse(r, name) for r in data.get("ranks", []) if isinstance(r, dict) and "rank" in r]
-            except (ValueError, TypeError, KeyError):
-                continue
-            got = True
-            window = data.get("window")
-            self._put(HostSample(host, name, ranks, data.get("gpus") or [],
-                                 window=float(window) if isinstance(window, (int, float)) else self.window))
-        p.wait()
-        t.join(1)
-        if not got:
-            why = next((ln.strip() for ln in reversed(err) if ln.strip()), f"exit code {p.returncode}")
-            self._put(HostSample(host, error=why[:200]))
-
-    def latest(self) -> dict[str, HostSample]:
-        with self._lock:
-            return dict(self._latest)
-
-    def wait_all(self, deadline: float) -> bool:
-        """Until every host has answered (a line or an error) or ``deadline`` (monotonic)."""
-        while time.monotonic() < deadline:
-            if len(self.latest()) == len(self.hosts):
-                return True
-            time.sleep(0.05)
-        return len(self.latest()) == len(self.hosts)
-
-    def running(self) -> bool:
-        """Whether some host's agent still runs (they end when their ranks have ended)."""
-        return any(p.poll() is None for p in self._procs)
-
-    def wait_ended(self, timeout: float) -> None:
-        """Until every agent has ended by itself (its ranks ended), at most ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-
-    def stop(self) -> None:
-        for p in self._procs:
-            if p.poll() is None:
-                p.kill()
-        for p in self._procs:
-            try:
-                p.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                pass
 
 
 def enabled(environ=os.environ) -> bool:
@@ -536,10 +350,6 @@ class StragglerWatch:
         self.out(f"dtrun: {line}" + (f"\n  report: {self.report_path}" if self.report_path else ""))
 
     def _write_report(self, line: str, totals) -> Optional[str]:
-        from pathlib import Path
-
-        from dtrun.launcher.paths import cache_dir
-
         try:
             d = Path(self.job.log_dir or (cache_dir() / "hangs"))
             d.mkdir(parents=True, exist_ok=True)

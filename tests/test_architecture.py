@@ -2,9 +2,9 @@
 
 * ``launcher/`` never imports ``checks/`` (``launcher/cli.py``, the top of the program,
   may import everything);
-* ``collectives/`` (the runtime on every rank) imports neither ``launcher/`` nor ``checks/``,
-  except ``launcher.remote.wire``, the standard-library format module both sides share;
-* ``launcher/remote/`` (what runs on other hosts) imports only the standard library and itself;
+* ``collectives/`` (the runtime on every rank) imports neither ``launcher/`` nor ``checks/``;
+* ``launcher/remote/`` (what runs on other hosts) imports only the standard library, itself and
+  the formats it shares with the runtime (``dtrun/recorderfile.py``, standard library only);
 * no import cycle between modules of ``launcher/``, ``checks/`` and ``collectives/``;
 * no function over 60 lines there unless a ``# long: <reason>`` comment says why.
 
@@ -21,9 +21,9 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("launcher", "checks", "collectives")
 FORBIDDEN = {"launcher": {"checks"}, "checks": set(), "collectives": {"launcher", "checks"}}
 EXEMPT = {"launcher/cli.py"}
-# Modules a package may import although FORBIDDEN names their package.
-ALLOWED = {"collectives": {"launcher.remote.wire"}}
 REMOTE = "launcher.remote"
+# Formats the runtime and the remote code share, at the top of the dtrun package (dtrun/).
+SHARED = {"dtrun.recorderfile"}
 # Third-party modules the remote code may try inside ``try:``: the doctor's probe reports whether
 # the job's Python can import them, and a failure there is its finding, not a crash.
 PROBED = {"mpi4py"}
@@ -156,10 +156,12 @@ def non_stdlib_imports(root: Path, package: str) -> list[str]:
                         bad.append(f"{rel}:{node.lineno} imports from outside {package} (relative)")
                     continue
                 names = [node.module or ""]
+                if node.module == "dtrun":  # from dtrun import recorderfile
+                    names = [f"dtrun.{a.name}" for a in node.names]
             else:
                 continue
             for name in names:
-                own = name == package or name.startswith(package + ".")
+                own = name == package or name.startswith(package + ".") or name in SHARED
                 probed = id(node) in tried and name.split(".")[0] in PROBED
                 if not own and not probed and name.split(".")[0] not in sys.stdlib_module_names:
                     bad.append(f"{rel}:{node.lineno} imports {name}")
@@ -198,11 +200,16 @@ def test_the_edge_reader_sees_the_allowed_direction():
 
 def test_dependencies_run_one_way():
     bad = [f"{f}:{line} imports {name}" for f, line, name in _full_edges(REPO)
-           if f not in EXEMPT and name.split(".")[0] in FORBIDDEN[f.split("/")[0]]
-           and name not in ALLOWED.get(f.split("/")[0], ())
-           and not any(name.startswith(ok + ".") or ok.startswith(name + ".")
-                       for ok in ALLOWED.get(f.split("/")[0], ()))]
+           if f not in EXEMPT and name.split(".")[0] in FORBIDDEN[f.split("/")[0]]]
     assert not bad, "imports against the direction (see docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_the_runtime_never_imports_the_launcher():
+    # Every training process imports collectives/: it must not pull in the launcher package.
+    assert FORBIDDEN["collectives"] >= {"launcher", "checks"}
+    edges = [(f, name) for f, _, name in _full_edges(REPO) if f.startswith("collectives/")]
+    assert edges, "the runtime's imports were not read"
+    assert not [e for e in edges if e[1].split(".")[0] in ("launcher", "checks")], edges
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
@@ -236,15 +243,17 @@ def test_no_import_cycles():
 def test_the_stdlib_check_sees_a_third_party_import(tmp_path):
     _write(tmp_path, {
         "launcher/remote/__init__.py": "",
-        "launcher/remote/ok.py": "import os, json\nfrom . import wire\nfrom launcher.remote.wire import X\n",
+        "launcher/remote/ok.py": ("import os, json\nfrom . import wire\nfrom launcher.remote.wire import X\n"
+                                  "from dtrun import recorderfile\n"),
         "launcher/remote/wire.py": "X = 1\n",
         "launcher/remote/bad.py": "def f():\n    import numpy\n    from launcher.errors import E\n    import mpi4py\n",
         "launcher/remote/probe.py": "try:\n    import mpi4py\nexcept ImportError:\n    pass\n",
         "launcher/remote/up.py": "from .. import cli\n",
+        "launcher/remote/outside.py": "from dtrun import launcher\n",
     })
     assert non_stdlib_imports(tmp_path, REMOTE) == [
         "launcher/remote/bad.py:2 imports numpy", "launcher/remote/bad.py:3 imports launcher.errors",
-        "launcher/remote/bad.py:4 imports mpi4py",
+        "launcher/remote/bad.py:4 imports mpi4py", "launcher/remote/outside.py:1 imports dtrun.launcher",
         "launcher/remote/up.py:1 imports from outside launcher.remote (relative)"]
 
 
@@ -255,6 +264,12 @@ def test_remote_code_imports_only_the_standard_library():
     assert len(list(pkg.glob("*.py"))) > 1
     bad = non_stdlib_imports(REPO, REMOTE)
     assert not bad, "launcher/remote/ must use the standard library only:\n" + "\n".join(bad)
+    for name in SHARED:  # and what it shares with the runtime, too
+        shared = REPO / (name.replace(".", "/") + ".py")
+        tree = ast.parse(shared.read_text())
+        imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        assert all(isinstance(n, ast.Import) and all(a.name.split(".")[0] in sys.stdlib_module_names
+                                                     for a in n.names) for n in imports), name
 
 
 def test_the_length_check_sees_a_long_function_and_its_reason(tmp_path):

@@ -16,8 +16,10 @@ import time
 
 import pytest
 
-from dtrun.launcher.remote import agent as remote_agent, pystacks, wire
+from dtrun import recorderfile
+from dtrun.launcher.remote import agent as remote_agent, pystacks
 from dtrun.launcher.jobstate import JobInfo
+from dtrun.launcher.agentreport import parse_dump, parse_watch
 from dtrun.launcher.stacks import HostAnswer, collect, format_ranks, roll_call
 from tests.dtrun_helpers import DTRUN, PYTHON, REPO, command_lines, start_script_job, user_env, wait_until_empty
 
@@ -38,6 +40,11 @@ def _rank(n, host, frames, rec=None, **kw):
             "threads": [{"name": "main", "main": True, "frames": frames}], "recorder": rec or [], **kw}
 
 
+def _answer(host, ranks):
+    """A host's answer from the records its agent would send (parsed as collect parses them)."""
+    return HostAnswer(host, parse_dump({"ranks": ranks}, host))
+
+
 def _in_allreduce(line, seq):
     frames = [{"func": "Comm._allreduce", "file": RUNTIME, "line": 399},
               {"func": "Comm.allreduce", "file": RUNTIME, "line": 371},
@@ -54,7 +61,7 @@ def test_roll_call_names_the_odd_rank_and_its_host():
                 {"func": "step", "file": "/job/train.py", "line": 80, "code": "batch = load_batch()"}]
     ranks.append(_rank(4, "node3", sleeping, [{"seq": 1841, "op": "allreduce", "dtype": "float32",
                                               "count": 8, "root": None}]))
-    text = roll_call([HostAnswer("all", ranks)], "hang: no progress for 30 s.", expected=8)
+    text = roll_call([_answer("all", ranks)], "hang: no progress for 30 s.", expected=8)
     assert text.splitlines() == [
         "hang: no progress for 30 s.",
         "  ranks 0-3,5-7 (7 of 8) in allreduce #1842 at train.py:88 (step)",
@@ -72,10 +79,36 @@ def test_roll_call_mismatched_collective_and_unreachable_host():
         if n == 3:
             rec = [{"seq": 17, "op": "allreduce", "dtype": "float32", "count": 16, "root": None}]
         ranks.append(_rank(n, "a", frames, rec))
-    text = roll_call([HostAnswer("a", ranks), HostAnswer("b", error="no answer within 4 s")], "hang:")
+    text = roll_call([_answer("a", ranks), HostAnswer("b", error="no answer within 4 s")], "hang:")
     assert "  mismatch: rank 2 is in broadcast #17, the others in allreduce #17" in text
     assert "  mismatch: rank 3 is in allreduce #17 with 16 float32, the others with 8 float32" in text
     assert "  b: no answer within 4 s — its ranks are not in this report" in text
+
+
+def test_odd_fields_from_a_rank_writable_record_never_break_the_report():
+    """The agent copies fields from files a rank's program can rewrite: what is missing or of
+    the wrong type is read as absent, a record with no rank number is left out."""
+    frames, rec = _in_allreduce(20, 5)
+    ranks = [{"rank": "1"}, "junk", None,
+             {"rank": 0, "host": ["h"], "pid": "12", "alive": "no", "state": 3, "wchan": None, "error": {"x": 1},
+              "threads": [{"name": 7, "main": 1, "frames": [{"func": None, "line": "9"}, 4]}, "t"],
+              "recorder": [{"seq": "1"}, {"seq": 2, "op": 5, "count": None, "root": "0"}, 3]},
+             _rank(2, "h2", frames, rec)]
+    got = parse_dump({"ranks": ranks}, "node1")
+    assert [r.rank for r in got] == [0, 2]
+    odd = got[0]
+    assert (odd.host, odd.pid, odd.alive, odd.state, odd.wchan, odd.error) == ("node1", None, True, None, "", None)
+    assert [(f.func, f.file, f.line) for f in odd.threads[0].frames] == [("?", "", 0)]
+    assert [(e.seq, e.op, e.count, e.root) for e in odd.recorder] == [(2, "", 0, None)]
+    assert parse_dump(["not", "an", "object"], "node1") is None
+    text = roll_call([HostAnswer("node1", got)], "stacks:", expected=3)
+    assert text.splitlines()[0] == "stacks:" and "rank 1: no state on any host" in text
+
+
+def test_watch_lines_are_read_as_far_as_they_go():
+    assert parse_watch({"host": "h", "ranks": {"0": [17, None], "1": [None, 4096], "2": [1], "3": "x"}}) == {
+        "0": (17, None), "1": (None, 4096)}
+    assert parse_watch({"ranks": [1, 2]}) is None and parse_watch(None) is None
 
 
 @pytest.mark.parametrize("compiled", ["1", "0"])
@@ -102,9 +135,9 @@ def test_recorder_file_is_read_by_the_agent(tmp_path, monkeypatch, compiled):
     assert [(e["seq"], e["op"], e["dtype"], e["count"], e["root"]) for e in agent[-3:]] == [
         (recorder.RING + 3, "allreduce", "float64", 5, None), (recorder.RING + 4, "broadcast", "int32", 3, 0),
         (recorder.RING + 5, "barrier", "", 0, None)]
-    assert wire.REC_OPS == recorder.OPS and wire.REC_DTYPES == recorder.DTYPES
-    assert wire.REC_MAGIC == recorder.MAGIC
-    assert (wire.REC_VERSION, wire.REC_INSIDE_WORD) == (recorder.VERSION, recorder.INSIDE_WORD)
+    assert recorderfile.OPS == recorder.OPS and recorderfile.DTYPES == recorder.DTYPES
+    assert recorderfile.MAGIC == recorder.MAGIC
+    assert (recorderfile.VERSION, recorderfile.INSIDE_WORD) == (recorder.VERSION, recorder.INSIDE_WORD)
     c.free()
 
 

@@ -1,14 +1,17 @@
 """launcher/remote/: what runs on other hosts uses the standard library only, starts as a
-script without site-packages, and shares one wire format with the launcher and the runtime."""
+script without site-packages, shares its marker format with the launcher, and reads the flight
+recorder in the format the runtime writes (dtrun/recorderfile.py, which neither side owns)."""
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from dtrun import recorderfile
 from dtrun.launcher.remote import wire
 
 REPO = Path(__file__).resolve().parent.parent
@@ -17,6 +20,8 @@ MODULES = sorted(p.stem for p in REMOTE.glob("*.py") if p.stem != "__init__")
 # What a module looks for, inside a try, as the thing it reports on: the probe tells whether
 # the job's Python can load mpi4py.
 REPORTED = {("probe", "mpi4py")}
+# Formats shared with the runtime: standard library only, at the top of the dtrun package.
+SHARED = {"dtrun.recorderfile"}
 
 
 def imported(path):
@@ -29,8 +34,12 @@ def imported(path):
             # siblings by relative import (one level: this package), so the same file works as
             # dtrun.launcher.remote.X and as a script (its __package__ set, PEP 366)
             assert node.level in (0, 1), f"{path.name}: import beyond launcher/remote"
-            names.append("launcher.remote" + (f".{node.module}" if node.module else "") if node.level
-                         else node.module)
+            if node.level:
+                names.append("launcher.remote" + (f".{node.module}" if node.module else ""))
+            elif node.module == "dtrun":  # from dtrun import recorderfile
+                names += [f"dtrun.{a.name}" for a in node.names]
+            else:
+                names.append(node.module)
     return names
 
 
@@ -45,8 +54,13 @@ def test_the_package_holds_every_module_that_runs_on_another_host():
 def test_imports_only_the_standard_library_and_itself(name):
     bad = [m for m in imported(REMOTE / f"{name}.py")
            if m.split(".")[0] not in sys.stdlib_module_names and m != "launcher.remote"
-           and not m.startswith("launcher.remote.") and (name, m) not in REPORTED]
+           and not m.startswith("launcher.remote.") and m not in SHARED and (name, m) not in REPORTED]
     assert bad == []
+
+
+@pytest.mark.parametrize("name", sorted(SHARED))
+def test_the_shared_formats_import_nothing(name):
+    assert imported(REPO / (name.replace(".", "/") + ".py")) == []
 
 
 def test_launcher_package_imports_nothing():
@@ -96,6 +110,27 @@ def test_sessiondirs_and_library_modules_load_without_site_packages(tmp_path):
     assert eval(p.stdout) == sorted(["launcher", "launcher.remote"] + [f"launcher.remote.{m}" for m in MODULES])
 
 
+def test_scripts_start_from_an_installed_copy(tmp_path):
+    """Installed, launcher/ sits inside the dtrun package (site-packages/dtrun/launcher) and
+    ``python -S`` leaves site-packages off the path: the agent and the rank wrapper still find
+    the recorder's format (dtrun/recorderfile.py) beside them, and nothing else of dtrun's."""
+    site = tmp_path / "site"
+    shutil.copytree(REPO / "dtrun", site / "dtrun", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "launcher", site / "dtrun" / "launcher", ignore=shutil.ignore_patterns("__pycache__"))
+    (site / "dtrun" / "__init__.py").write_text("raise ImportError('not run by the remote scripts')\n")
+    remote = site / "dtrun" / "launcher" / "remote"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    job = tmp_path / "job"
+    job.mkdir()
+    p = subprocess.run([sys.executable, "-S", str(remote / "agent.py"), "dump", str(job)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and json.loads(p.stdout)["ranks"] == [], p.stderr
+    p = subprocess.run([sys.executable, "-S", str(remote / "rankexec.py"), "--", "/bin/sh", "-c", "exit 3"],
+                       cwd=tmp_path, env={**env, "DTRUN_JOB_DIR": str(job)}, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 3 and p.stdout.splitlines()[-1] == "dtrun-rank-eof: rank=0", p.stderr
+
+
 def test_probe_bundle_runs_where_no_copy_of_the_package_exists(tmp_path):
     """What doctor sends to a host: one program, run by ``python3 -c`` from stdin."""
     from dtrun.checks.probesession import boot_command, probe_input
@@ -125,7 +160,7 @@ def test_markers_round_trip():
 
 
 def test_recorder_written_by_the_runtime_is_read_by_the_agent(tmp_path):
-    """The collectives' writer and the agent's reader share wire's recorder format."""
+    """The collectives' writer and the agent's reader share dtrun/recorderfile.py's format."""
     from dtrun.collectives import recorder
     from dtrun.launcher.remote import agent
 
@@ -135,8 +170,8 @@ def test_recorder_written_by_the_runtime_is_read_by_the_agent(tmp_path):
     entries = [(1, "allreduce", "float32", 1000, None), (2, "broadcast", "int64", 7, 0),
                (3, "barrier", "", 0, None)]
     for seq, op, dtype, count, root in entries:
-        slot = (seq % wire.REC_RING) * 2
-        slots[slot + 1] = wire.rec_desc(op, dtype, count, root)
+        slot = (seq % recorderfile.RING) * 2
+        slots[slot + 1] = recorderfile.desc(op, dtype, count, root)
         slots[slot] = seq
     mm.flush()
     got = agent.read_recorder(str(tmp_path), 1)

@@ -428,10 +428,11 @@ print("done", c.rank, flush=True)
 def test_recorder_flag_is_set_while_the_rank_waits_in_a_collective(tmp_path, compiled):
     """Rank 1 sleeps while rank 0 is in an allreduce: the agent's reads of the flight
     recorder find rank 0 inside and rank 1 not (the compiled engine's store, and Python's)."""
-    from dtrun.launcher.remote import rankstate, wire
+    from dtrun import recorderfile
+    from dtrun.launcher.remote import rankstate
     from dtrun.collectives import recorder
 
-    assert wire.REC_VERSION == recorder.VERSION and wire.REC_INSIDE_WORD == recorder.INSIDE_WORD
+    assert recorderfile.VERSION == recorder.VERSION and recorderfile.INSIDE_WORD == recorder.INSIDE_WORD
     script = tmp_path / "flag.py"
     script.write_text(FLAG_JOB)
     env = user_env(DTRUN_JOB_DIR=str(tmp_path), DTRUN_COMPILED=compiled, OMPI_ALLOW_RUN_AS_ROOT="1",
@@ -464,11 +465,12 @@ def test_recorder_flag_is_set_while_the_rank_waits_in_a_collective(tmp_path, com
     assert polls0 > 50 and inside0 >= 0.9 * polls0, got
     assert polls1 > 50 and inside1 == 0, got
     words = [rankstate.recorder_words(str(tmp_path), r) for r in (0, 1)]
-    assert [w[wire.REC_INSIDE_WORD] for w in words] == [0, 0]  # cleared on the way out
+    assert [w[recorderfile.INSIDE_WORD] for w in words] == [0, 0]  # cleared on the way out
 
 
 def test_top_table_groups_ranks_per_host_beyond_16_and_flags_the_straggler():
-    from dtrun.launcher.straggler import HostSample, RankView, Recent
+    from dtrun.launcher.agentreport import HostSample, RankView, SampledFrame
+    from dtrun.launcher.straggler import Recent
     from dtrun.launcher.top import render, view
 
     job = JobInfo("j1", "/nonexistent", ("a", "b", "c"), 18, 4242)
@@ -479,12 +481,14 @@ def test_top_table_groups_ranks_per_host_beyond_16_and_flags_the_straggler():
             slow = r == 8
             ranks.append(RankView(r, f"node-{host}", pid=100 + r, state="R", cpu=95.0, rss=3 << 30, span=2.0,
                                   colls=40, samples=60, waiting=3 if slow else 45, via="py-spy",
-                                  frames=[["decode_batch", "/job/train.py", 27, 38, False]] if slow else
-                                  [["<module>", "/job/train.py", 40, 30, True]], gpu_util=88.0, gpu_mem=30100.0))
-        latest[host] = HostSample(host, f"node-{host}", ranks)
+                                  frames=(SampledFrame("decode_batch", "/job/train.py", 27, 38, False),) if slow else
+                                  (SampledFrame("<module>", "/job/train.py", 40, 30, True),), gpu_util=88.0,
+                                  gpu_mem=30100.0))
+        latest[host] = HostSample(host, f"node-{host}", tuple(ranks))
         recent.add(latest[host])
     v = view(job, latest, recent.totals())
-    assert [r["rank"] for r in v["ranks"] if r["straggler"]] == [8]
+    assert [r.rank for r in v.ranks if r.straggler] == [8]
+    assert [r["rank"] for r in v.to_json()["ranks"] if r["straggler"]] == [8]
     text = render(v).splitlines()
     assert text[1].split() == ["HOST", "RANK", "STATE", "CPU%", "RSS", "COLL/S", "WAIT", "GPU%", "GPUMEM", "VIA"]
     assert text[2].split() == ["node-a", "0-5", "6", "95", "18432M", "20.0", "75%", "88", "30100M"]
@@ -494,13 +498,30 @@ def test_top_table_groups_ranks_per_host_beyond_16_and_flags_the_straggler():
     assert text[-1].startswith("straggler: rank 8 on node-b made the others wait 75% of the run (it waited 5%)")
 
 
+def test_odd_sample_lines_are_read_as_far_as_they_go():
+    """A sample line's odd fields become absent; its ranks without a number and its frames
+    of the wrong shape are left out; a line that is not an object is no sample."""
+    from dtrun.launcher.agentreport import SampledFrame, parse_sample
+
+    s = parse_sample({"host": 5, "window": "x", "gpus": {"a": 1}, "ranks": [
+        {"rank": 3, "samples": "9", "waiting": 4.0, "rss": float("nan"), "cpu": True, "frames": [
+            ["f", "/a.py", 3, 7, 1], ["g", "/b.py", "3", 1, 0], "xxxxx", [1, 2, 3, 4, 5]]},
+        {"rank": None}, {"samples": 3}]}, "h1", 2.0)
+    assert (s.host, s.name, s.window, s.gpus) == ("h1", "h1", 2.0, ())
+    (v,) = s.ranks
+    assert (v.rank, v.host, v.samples, v.waiting, v.rss, v.cpu) == (3, "h1", 0, 4, None, None)
+    assert v.frames == (SampledFrame("f", "/a.py", 3, 7, True),)
+    assert parse_sample([1], "h1", 1.0) is None
+
+
 def test_start_up_skew_is_not_counted():
     """Ranks that start late make the others wait in their first collective: windows until
     every host is past its start-up are dropped; a later import drops nothing."""
-    from dtrun.launcher.straggler import HostSample, RankView, SteadyState
+    from dtrun.launcher.agentreport import HostSample, RankView
+    from dtrun.launcher.straggler import SteadyState
 
     def sample(host, at, startup=0):
-        return HostSample(host, host, [RankView(0, host, samples=20, waiting=10, startup=startup)], at=at, window=1.0)
+        return HostSample(host, host, (RankView(0, host, samples=20, waiting=10, startup=startup),), at=at, window=1.0)
 
     st = SteadyState()
     assert st.admit(sample("a", 1.0)) == (True, False)

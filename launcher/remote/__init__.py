@@ -13,16 +13,38 @@ What runs where:
 * ``sessiondirs`` — Open MPI 5 session directories that killed jobs leave, and their removal.
 * ``probe`` — the doctor's and preflight's probe; shipped to a host as one program
   (``bundle``), so it runs there even where no copy of dtrun is installed.
-* ``wire`` — the rank wrapper's marker format and the flight recorder's file format, imported
-  by the code that writes them and the code that reads them.
+* ``wire`` — the rank wrapper's marker format, imported by the wrapper that writes the
+  markers and the launcher that reads them.
 
-Every module imports its siblings as ``from launcher.remote import x``. A module started as a
-script puts the repository on ``sys.path[0]`` first (three lines at its top); this file and
-``launcher/__init__.py`` import nothing, so that pulls in nothing else.
+Every module imports its siblings relatively (``from . import x``). A module started as a
+script puts the folder that holds ``launcher/`` on ``sys.path[0]`` first (three lines at its
+top) and imports this package; this file and ``launcher/__init__.py`` import only the
+standard library, so that pulls in nothing else. The one import from outside this package
+is ``dtrun.recorderfile``, the flight recorder's format that the runtime writes (it imports
+nothing): see ``_expose_dtrun`` for how a script finds it. The probe's bundle ships none of
+the modules that need it.
 """
 import os
+import sys
+import types
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _expose_dtrun(root):
+    """Make ``import dtrun.recorderfile`` work in a script started from the folder ``root``
+    that holds ``launcher/``. From a source tree ``root`` holds the ``dtrun/`` package too.
+    Installed, ``root`` is the ``dtrun`` package itself (site-packages/dtrun), and
+    site-packages is not on the path (``python -S``): ``root`` is named ``dtrun`` here,
+    without running its ``__init__`` or putting site-packages on the path."""
+    if "dtrun" not in sys.modules and os.path.isfile(os.path.join(root, "recorderfile.py")):
+        package = types.ModuleType("dtrun")
+        package.__path__ = [root]
+        sys.modules["dtrun"] = package
+
+
+if __name__ == "launcher.remote":  # imported by a script's bootstrap, not as dtrun.launcher.remote
+    _expose_dtrun(os.path.dirname(os.path.dirname(_HERE)))
 
 # Turns a dict of module sources into modules of this package, then runs the main program.
 _LOADER = '''\

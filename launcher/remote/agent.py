@@ -49,7 +49,9 @@ import socket
 import threading
 import time
 
-from . import procfs, rankstate, wire
+from dtrun import recorderfile
+
+from . import procfs, rankstate, sessiondirs, waitsampler
 from .procfs import proc_info
 from .pystacks import faulthandler_stacks, gdb_stacks, pyspy_stacks, source_line
 
@@ -64,14 +66,14 @@ def read_recorder(job_dir, rank):
 def recorder_entries(job_dir, rank):
     """(read_recorder's answer, why the rank's recorder file was not read or None)."""
     words, why = rankstate.read_recorder(job_dir, rank)
-    rec = None if words is None else wire.rec_decode(words)
+    rec = None if words is None else recorderfile.decode(words)
     return (None if rec is None else {"pid": rec["pid"], "entries": rec["entries"][-REC_SHOWN:]}), why
 
 
 def recorder_seq(job_dir, rank):
     """The newest sequence number in a rank's recorder, reading only the ring (cheap)."""
     words = rankstate.recorder_words(job_dir, rank)
-    return None if words is None else wire.rec_newest_seq(words)
+    return None if words is None else recorderfile.newest_seq(words)
 
 
 def _python_stacks(job_dir, rank, pid, timeout, via, out):
@@ -315,7 +317,6 @@ def _wait_gone(pids, seconds, step):
 def _sweep_after(daemons, wait_s=0.5):
     """Remove the session directories that the killed MPI daemons left (launcher/remote/sessiondirs.py),
     once they are gone (a killed process counts as alive until its parent reaps it)."""
-    from . import sessiondirs
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and any(sessiondirs.alive(p) for p in daemons):
         time.sleep(0.02)
@@ -329,7 +330,6 @@ def main(argv):
     mode, job_dir = argv[0], argv[1]
     seconds = float(argv[2]) if len(argv) > 2 else (2.0 if mode == "dump" else 1.0)
     if mode == "sample":
-        from . import waitsampler
         rate = float(argv[3]) if len(argv) > 3 else 10.0
         via = argv[4] if len(argv) > 4 else "auto"  # "faulthandler" (no py-spy), "proc" (no stacks)
         return waitsampler.run(job_dir, seconds, rate, via, once="once" in argv[5:])

@@ -36,7 +36,8 @@ import signal
 import socket
 import stat
 
-from . import wire
+from dtrun import recorderfile
+
 from .procfs import gone, proc_parent, proc_start, valid_pid
 
 # Offset from SIGRTMIN of the signal that makes a rank dump its stacks (SIGRTMIN+6).
@@ -240,8 +241,6 @@ def host_ranks(job_dir):
     return sorted(out, key=lambda s: s["rank"])  # the rank names files (rank.N.rec): a number, nothing else
 
 
-# The recorder file's size (launcher/remote/wire.py's layout): a file of any other size is not read.
-REC_BYTES = 8 * (wire.REC_HEADER_WORDS + 2 * wire.REC_RING)
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"))
 
@@ -253,8 +252,8 @@ def _not_a_recorder(info):
         return f"is {kind}, not a regular file"
     if info.st_uid != os.geteuid():
         return f"is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
-    if info.st_size != REC_BYTES:
-        return f"has {info.st_size} bytes, not a recorder's {REC_BYTES} (truncated or replaced)"
+    if info.st_size != recorderfile.NBYTES:
+        return f"has {info.st_size} bytes, not a recorder's {recorderfile.NBYTES} (truncated or replaced)"
     return None
 
 
@@ -263,7 +262,7 @@ def open_recorder(job_dir, rank):
     none; (None, why) when what is there is not read. The rank's program can put anything at
     that path: a link is not followed, a FIFO not waited on, a device never opened; only a
     regular file of this user with the recorder's exact size is (checked on the open file)."""
-    name = wire.rec_file(rank)
+    name = recorderfile.file_name(rank)
     path = os.path.join(job_dir, name)
     try:
         why = _not_a_recorder(os.lstat(path))
@@ -283,24 +282,24 @@ def open_recorder(job_dir, rank):
 def read_recorder(job_dir, rank):
     """(a rank's flight recorder as int64 words, None), (None, None) when it has none, or
     (None, why) when its file is not read (``open_recorder``) or not a recorder. Reads at most
-    REC_BYTES with pread, never a mapping: a file that shrinks under the reader is a finding,
+    recorderfile.NBYTES with pread, never a mapping: a file that shrinks under the reader is a finding,
     not a SIGBUS."""
     import array
     fd, why = open_recorder(job_dir, rank)
     if fd is None:
         return None, why
     try:
-        raw = os.pread(fd, REC_BYTES, 0)
+        raw = os.pread(fd, recorderfile.NBYTES, 0)
     except OSError as exc:
-        return None, f"{wire.rec_file(rank)} cannot be read ({exc.strerror})"
+        return None, f"{recorderfile.file_name(rank)} cannot be read ({exc.strerror})"
     finally:
         os.close(fd)
-    if len(raw) < REC_BYTES:
-        return None, f"{wire.rec_file(rank)} was truncated to {len(raw)} bytes while read"
+    if len(raw) < recorderfile.NBYTES:
+        return None, f"{recorderfile.file_name(rank)} was truncated to {len(raw)} bytes while read"
     words = array.array("q")
     words.frombytes(raw)
-    if words[0] != wire.REC_MAGIC:
-        return None, f"{wire.rec_file(rank)} is not a flight recorder (no magic word)"
+    if words[0] != recorderfile.MAGIC:
+        return None, f"{recorderfile.file_name(rank)} is not a flight recorder (no magic word)"
     return words, None
 
 

@@ -29,7 +29,9 @@ import sys
 import threading
 import time
 
-from . import procfs, pystacks, rankstate, wire
+from dtrun import recorderfile
+
+from . import procfs, pystacks, rankstate
 
 # Parts of a path that make a frame a communication call: the caller is waiting for peers.
 WAIT_PATHS = ("/torch/distributed/", "/mpi4py/", "/horovod/", "/nccl", "/cupy/cuda/nccl", "/deepspeed/comm/")
@@ -156,7 +158,7 @@ def recorder_seq(job_dir, rank, pid):
     words, why = rankstate.read_recorder(job_dir, rank)
     if words is None or words[2] != pid:
         return None, why
-    return wire.rec_newest_seq(words), None
+    return recorderfile.newest_seq(words), None
 
 
 def poll_inside(job_dir, rank, pid, until, hz=REC_POLL_HZ, problems=None):
@@ -172,16 +174,16 @@ def poll_inside(job_dir, rank, pid, until, hz=REC_POLL_HZ, problems=None):
         if why and problems is not None:
             problems.append(why)
         return None
-    name = wire.rec_file(rank)
+    name = recorderfile.file_name(rank)
     try:
         head = os.pread(fd, 24, 0)
         if len(head) < 24:
             return None
         magic, version, rpid = struct.unpack("qqq", head)
-        if magic != wire.REC_MAGIC or version < wire.REC_INSIDE_SINCE or rpid != pid:
+        if magic != recorderfile.MAGIC or version < recorderfile.INSIDE_SINCE or rpid != pid:
             return None
         polls = inside = 0
-        off, step = 8 * wire.REC_INSIDE_WORD, 1.0 / hz
+        off, step = 8 * recorderfile.INSIDE_WORD, 1.0 / hz
         while time.monotonic() < until:
             word = os.pread(fd, 8, off)
             if len(word) < 8:
