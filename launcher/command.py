@@ -382,8 +382,6 @@ def hydra_iface(spec: LaunchSpec) -> tuple[Optional[str], list[str]]:
         return None, [f"{cidr} ({spec.iface_reason}): Hydra takes an interface name, not a subnet, and the "
                       "interface names on the hosts are not known (the preflight reads them unless skipped); "
                       "--include-iface NAME sets one"]
-    from dtrun.launcher import safe
-
     def plain(name):  # the names come from the hosts' own `ip addr`: only plain interface names pass
         try:
             return safe.iface(name, "interface") == name and "/" not in name

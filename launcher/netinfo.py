@@ -14,6 +14,8 @@ import socket
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from dtrun.launcher.interfaces import local_interfaces
+
 RESOLVE_TIMEOUT_S = 2.0
 DRY_RUN_RESOLVE_S = 0.3  # --dry-run shows the command without waiting on a slow DNS
 
@@ -93,16 +95,12 @@ def local_networks() -> list[tuple[str, ipaddress.IPv4Network]]:
 
     Read the way doctor and the preflight read interfaces (``ip -j addr``, else sysfs).
     """
-    from dtrun.launcher.interfaces import local_interfaces
-
     return [(i.name, n.network) for i in local_interfaces() if i.up and not i.loopback
             for n in i.networks if not n.ip.is_loopback]
 
 
 def local_addresses() -> list[tuple[str, str]]:
     """(interface, IPv4 address) of every interface of this machine that is up, except loopback."""
-    from dtrun.launcher.interfaces import local_interfaces
-
     return [(i.name, str(n.ip)) for i in local_interfaces() if i.up and not i.loopback for n in i.networks]
 
 

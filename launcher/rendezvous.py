@@ -25,6 +25,7 @@ from typing import Mapping, Optional, Sequence
 from dtrun.launcher import safe
 from dtrun.launcher.errors import InvalidValue, UsageError
 from dtrun.launcher.hostfile import HostSlots
+from dtrun.launcher.hosts import is_local
 
 LOOPBACK = "127.0.0.1"
 REMOTE_PORT_RANGE = (20000, 32767)
@@ -59,8 +60,6 @@ def choose(hosts: Sequence[HostSlots], local_only: bool, environ: Mapping[str, s
     A value the user gave with ``-x NAME=VALUE`` or in dtrun's environment is kept
     (validated); otherwise it is chosen as the module docstring says.
     """
-    from dtrun.launcher.hosts import is_local
-
     def given(name: str) -> Optional[str]:
         if name in user_env:
             return user_env[name] if user_env[name] is not None else environ.get(name)

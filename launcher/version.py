@@ -5,6 +5,7 @@ import os
 from typing import Mapping, Optional
 
 from dtrun.launcher.errors import DtrunError
+from dtrun.launcher.flavors import detect_flavor, find_mpirun
 
 
 def dtrun_version() -> str:
@@ -26,8 +27,6 @@ def installed_at() -> str:
 def version_text(environ: Optional[Mapping[str, str]] = None) -> str:
     """Three lines: ``dtrun X``, ``MPI: <flavor> <version> (<mpirun>)`` (or why there is none)
     and ``installed at: <dir>``."""
-    from dtrun.launcher.flavors import detect_flavor, find_mpirun
-
     environ = os.environ if environ is None else environ
     try:
         flavor = detect_flavor(find_mpirun(None, environ))

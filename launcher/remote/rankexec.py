@@ -117,7 +117,7 @@ def open_log(log_dir, rank):
 
 def _sweep_sessions():
     try:
-        from . import sessiondirs
+        from . import sessiondirs  # lazy: Open MPI 5 jobs only; every rank's wrapper starts with this module
         sessiondirs.keep_daemon_dir(os.getppid())  # lock the daemon's own directory while it lives
         sessiondirs.sweep()
     except Exception:  # tidying must never disturb the rank
@@ -385,7 +385,7 @@ def main(argv=None):
     # Hang diagnosis (launcher/remote/rankstate.py): state file + faulthandler armed in the program.
     job_dir = env.get("DTRUN_JOB_DIR")
     if job_dir:
-        from . import rankstate
+        from . import rankstate  # lazy: jobs with a job directory only; every rank's wrapper starts with this module
         if rankstate.prepare(job_dir):
             prog = rankstate.with_stack_dump(prog, job_dir, rank, env)
         else:
