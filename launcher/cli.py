@@ -86,7 +86,8 @@ def run(
                                  help="Print dtrun's version and the MPI it would use, then exit."),
 ):
     """Launch PROGRAM on the hosts with mpirun, with the flags experienced users add by hand."""
-    from dtrun.launcher.launch import LaunchOptions, launch
+    from dtrun.launcher.launch import LaunchOptions
+    from dtrun.launcher.run import launch
 
     opts = LaunchOptions(
         program=tuple(program or ()), np=np, host_list=host_list, hostfile=hostfile, cluster=cluster,
@@ -98,8 +99,7 @@ def run(
         timeout=timeout, start_timeout=start_timeout,
         pin_gpus=pin_gpus, horovod=horovod, launcher=launcher, max_restarts=max_restarts, min_np=min_np, spares=spares, top=top,
     )
-    # The CLI is the one place that joins the launcher and the checks: the preflight returns
-    # an interface choice that the launch applies (launcher/ itself never imports checks/).
+    # The one place that joins launcher/ and checks/: the launch applies the preflight's choice.
     from dtrun.checks.hostcheck import check_hosts
     from dtrun.checks.preflight import preflight
 
