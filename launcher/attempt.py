@@ -65,9 +65,10 @@ def run_attempt(opts: LaunchOptions, setup: AttemptSetup = AttemptSetup(), prefl
     _before_start(opts, prepared)
     sweep = _sweeps_session_dirs(prepared)
     job, watches = _watches(opts, prepared, setup.job_dir, sweep)
-    spec, choice = prepared.spec, prepared.choice
+    spec, launcher_choice = prepared.spec, prepared.launcher_choice
     expected = expected_hosts(spec.hosts, spec.np) if spec.rank_wrapper else []
-    stop_watch = watch_allocation(choice.allocation.job_id, environ=os.environ) if choice.allocation else None
+    allocation = launcher_choice.allocation
+    stop_watch = watch_allocation(allocation.job_id, environ=os.environ) if allocation else None
     # A stop signal from mpirun's start to the end of the clean-up is the supervisor's, or
     # waits for the clean-up to finish (launcher.job.stopsignals): nothing is left running.
     with stopsignals.held():
@@ -87,8 +88,8 @@ def run_attempt(opts: LaunchOptions, setup: AttemptSetup = AttemptSetup(), prefl
             result = jobend.report(prepared, result, opts.on_hang)
     return AttemptOutcome(signal_exit_code(signal.SIGTERM) if ended else result.returncode, result, job, nspace,
                           prepared.selection, tuple(expected_hosts(spec.hosts, spec.np)),
-                          tuple(h.host for h in spec.hosts), srun=choice.launcher == "srun",
-                          in_slurm=choice.allocation is not None, ended=ended, cleaned=cleaned)
+                          tuple(h.host for h in spec.hosts), srun=launcher_choice.launcher == "srun",
+                          in_slurm=allocation is not None, ended=ended, cleaned=cleaned)
 
 
 def _time_left(opts: LaunchOptions, setup: AttemptSetup) -> Optional[float]:
@@ -119,7 +120,7 @@ def _sweeps_session_dirs(prepared: PreparedLaunch) -> bool:
     directory still names (launcher/remote/sessiondirs.py).
     """
     flavor = prepared.flavor
-    sweep = flavor.is_openmpi and flavor.major >= 5 and prepared.choice.launcher != "srun"
+    sweep = flavor.is_openmpi and flavor.major >= 5 and prepared.launcher_choice.launcher != "srun"
     if sweep:
         sessiondirs.sweep()
     return sweep
@@ -139,7 +140,7 @@ def _watches(opts: LaunchOptions, prepared: PreparedLaunch, job_dir: Optional[st
                          prepared.flavor.label, spec.program)
     # Reaping a job's stuck daemons after its end goes over ssh; inside a Slurm allocation
     # the daemons ran as a Slurm step, which Slurm ends itself (and ssh may be blocked there).
-    hang = HangWatch(job, opts.hang_timeout, opts.on_hang, reap_daemons=sweep and prepared.choice.allocation is None)
+    hang = HangWatch(job, opts.hang_timeout, opts.on_hang, reap_daemons=sweep and prepared.launcher_choice.allocation is None)
     # the straggler finding at the end; the hang watch last, as its end may wait on ssh
     return job, watches + (StragglerWatch(job, table=live_table if opts.top else None), hang)
 

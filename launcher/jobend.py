@@ -35,7 +35,7 @@ def clean_up(prepared: PreparedLaunch, result: JobResult, job: Optional[JobInfo]
     the result with the sweep's note and, under srun, srun's exit code.
 
     ``nspace``: the job's Open MPI 5 PMIx namespace, which proves its daemons to the kill agent."""
-    srun = prepared.choice.launcher == "srun"
+    srun = prepared.launcher_choice.launcher == "srun"
     if kill and job is not None and (result.hung or (result.stopped and not srun)):
         # Nothing of a job dtrun stopped may stay behind on any host: an MPI daemon can outlive
         # an mpirun that had to be killed (Open MPI 5's prted on a loaded machine does).
@@ -52,7 +52,7 @@ def clean_up(prepared: PreparedLaunch, result: JobResult, job: Optional[JobInfo]
 
 def ended_by_slurm(prepared: PreparedLaunch, result: JobResult) -> bool:
     """Whether Slurm ended the allocation under the job; if so, say so."""
-    allocation = prepared.choice.allocation
+    allocation = prepared.launcher_choice.allocation
     ended = ended_state(allocation.job_id) if allocation and not result.interrupted else None
     if not ended:
         return False
@@ -67,7 +67,7 @@ def ended_by_slurm(prepared: PreparedLaunch, result: JobResult) -> bool:
 def report(prepared: PreparedLaunch, result: JobResult, on_hang: str) -> JobResult:
     """Print the failure summary of a failed job (or its notes); the result with every note."""
     hosts = len(prepared.selection.hosts)
-    if tree_spawn_failure(result, prepared.spec, prepared.flavor, hosts, prepared.choice.launcher):
+    if tree_spawn_failure(result, prepared.spec, prepared.flavor, hosts, prepared.launcher_choice.launcher):
         result = replace(result, notes=result.notes + (tree_spawn_note(hosts),))
     if result.returncode != 0 or result.notes:
         print(failure_summary(result, prepared.spec.log_dir, on_hang), file=sys.stderr)

@@ -43,7 +43,9 @@ def check_seconds(value: Optional[float], flag: str) -> Optional[float]:
     if not math.isfinite(value) or value < 0:
         raise UsageError(f"{flag} {value}: give a number of seconds above 0 (0 turns the limit off)")
     return value or None
-# The preflight the CLI hands to ``launch``: (options, hosts, flavor, environ) -> choice or None.
+
+
+# The preflight the CLI hands to the launch: (options, hosts, flavor, environ) -> interface choice or None.
 Preflight = Callable[..., Optional[InterfaceChoice]]
 
 
@@ -342,7 +344,7 @@ class PreparedLaunch:
     flavor: Flavor
     spec: cmd.LaunchSpec
     groups: list  # the command, as ArgGroup(args, why)
-    choice: object  # launcher.slurm's launcher choice: srun or mpirun, and why
+    launcher_choice: slurm.LauncherChoice  # srun or mpirun, and why (``choice`` is always the interfaces')
 
 
 def prepare(opts: LaunchOptions, environ: Optional[Mapping[str, str]] = None,
