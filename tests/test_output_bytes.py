@@ -96,7 +96,7 @@ RUNNER = textwrap.dedent('''\
     from dtrun.launcher.job.supervisor import run_job
     result = run_job([sys.executable, sys.argv[1]], expected=("h1", "h2", "h3"))
     if result.returncode != 0 or result.notes:
-        print(failure_summary(result), file=sys.stderr)  # as launcher/launch.py does
+        print(failure_summary(result), file=sys.stderr)  # as launcher/jobend.py does
 ''')
 
 
