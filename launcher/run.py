@@ -64,12 +64,12 @@ def launch(opts: LaunchOptions, preflight: Optional[Preflight] = None, host_chec
         return run_attempt(opts, AttemptSetup(), preflight).code
     # One attempt, or with --max-restarts several, each in a job directory of its own where
     # ranks leave state for `dtrun stacks` (launcher/remote/rankstate.py).
-    run = _Run(opts, preflight, host_check, os.environ if environ is None else environ, timings)
-    if not run.restarts:
-        return run.one()  # a stop signal outside the job ends dtrun in cli.main
+    loop = _Run(opts, preflight, host_check, os.environ if environ is None else environ, timings)
+    if not loop.restarts:
+        return loop.one()  # a stop signal outside the job ends dtrun in cli.main
     try:
         while True:
-            code = run.one()
+            code = loop.one()
             if code is not None:
                 return code
     except stopsignals.Stopped as exc:
