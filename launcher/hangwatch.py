@@ -41,9 +41,6 @@ class HangWatch:
         self.nspace = ""  # the job's Open MPI 5 PMIx namespace, once it runs (on_start)
         self.stacks_timeout = stacks_timeout
         self.out = out or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
-        self.wants_output = hang_timeout is not None  # relay stdout through dtrun to see lines
-        self.hung = False
-        self.reports: list[tuple[str, float]] = []  # (report, seconds from detection to printed)
         self._abort: Optional[Callable[[], None]] = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -194,7 +191,6 @@ class HangWatch:
                 what = "collectives" if self._runtime else "output"
                 self._report(f"hang: no progress for {now - last:.0f} s (no {what} from any rank).", now)
                 if self.on_hang in ("abort", "restart"):
-                    self.hung = True
                     self.out(f"dtrun: --on-hang {self.on_hang}: stopping the job")
                     if self._abort:
                         self._abort()
@@ -207,4 +203,3 @@ class HangWatch:
             text = f"{headline}\n  (could not collect stacks: {type(exc).__name__}: {exc})"
         took = time.monotonic() - detected
         self.out(f"dtrun: {text}\n  (collected in {took:.2f} s)")
-        self.reports.append((text, took))
