@@ -4,7 +4,7 @@ On namespace hosts (tests/nscluster/; needs root): N hosts with one slot each, `
 (the last host is the spare), examples/train_resume.py with a checkpoint. When step 6 is
 printed, one host crashes (every process in its namespace killed, then all its traffic
 dropped). dtrun (``--max-restarts 1``) runs in a child process of this script, in-process
-through ``launcher.restarts.run`` so its ``Timings`` come back; this process records the fault
+through ``launcher.run.launch`` so its ``Timings`` come back; this process records the fault
 and the first step of the next attempt (CLOCK_MONOTONIC is the same for both). Split into
 detection (fault to the end of the attempt), check (the host check), cleanup (the kill
 agents on the hosts that passed) and relaunch (the rest: preflight, mpirun, the program's
@@ -40,15 +40,15 @@ def child(argv_json: str, out_json: str) -> int:
     """Run dtrun's launch in this process and write the restart timings."""
     from dtrun.checks.hostcheck import check_hosts
     from dtrun.checks.preflight import preflight
-    from dtrun.launcher import launch, restarts
     from dtrun.launcher.hosts import HostOptions
     from dtrun.launcher.launch import LaunchOptions
+    from dtrun.launcher.run import Timings, launch
 
     kw = json.loads(argv_json)
     hosts = HostOptions(host_list=kw.pop("host_list"), ssh_config=kw.pop("ssh_config"))
     opts = LaunchOptions(program=tuple(kw.pop("program")), hosts=hosts, **kw)
-    t = restarts.Timings()
-    rc = restarts.run(opts, launch._attempt, preflight, check_hosts, timings=t)
+    t = Timings()
+    rc = launch(opts, preflight, check_hosts, timings=t)
     Path(out_json).write_text(json.dumps({"rc": int(rc), **{k: getattr(t, k) for k in
                                                             ("detected", "check", "cleanup", "relaunched")}}))
     return int(rc)

@@ -91,7 +91,8 @@ def run(
                                  help="Print dtrun's version and the MPI it would use, then exit."),
 ):
     """Launch PROGRAM on the hosts with mpirun, with the flags experienced users add by hand."""
-    from dtrun.launcher.launch import LaunchOptions, launch  # lazy: the launch pipeline, not for --help/--version
+    from dtrun.launcher.launch import LaunchOptions  # lazy: the launch pipeline, not for --help/--version
+    from dtrun.launcher.run import launch  # lazy: the launch pipeline, not for --help/--version
 
     hosts = dict(host_list=host_list, hostfile=hostfile, cluster=cluster, include=include, exclude=exclude)
     opts = LaunchOptions(
@@ -103,11 +104,11 @@ def run(
         timeout=timeout, start_timeout=start_timeout,
         pin_gpus=pin_gpus, horovod=horovod, launcher=launcher, max_restarts=max_restarts, min_np=min_np, spares=spares, top=top,
     )
-    # The CLI is the one place that joins the launcher and the checks: the preflight returns
-    # an interface choice that the launch applies (launcher/ itself never imports checks/).
-    from dtrun.checks import hostcheck, preflight  # lazy: the ssh checks, only a launch needs them
+    # The one place that joins launcher/ and checks/: the launch applies the preflight's choice.
+    from dtrun.checks.hostcheck import check_hosts  # lazy: the ssh checks, only a launch needs them
+    from dtrun.checks.preflight import preflight  # lazy: the ssh checks, only a launch needs them
 
-    raise typer.Exit(launch(opts, preflight.preflight, hostcheck.check_hosts))
+    raise typer.Exit(launch(opts, preflight, check_hosts))
 
 
 # The options that choose the hosts, declared once for the commands that take them: the

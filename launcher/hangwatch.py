@@ -4,30 +4,33 @@ Progress is a collective of the bundled runtime started on any rank (the flight
 recorders' sequence numbers, read on each host by a ``agent.py watch`` process);
 for a job that does not use the runtime, output: lines dtrun relays from any rank, or
 growth of a rank's log under --log-dir. The clock starts when every rank has started.
-When nothing progressed for ``hang_timeout`` seconds the monitor prints the roll-call
-report (launcher/stacks.py) once, and again only after progress resumed and stalled anew. ``on_hang="abort"`` then stops the job,
-and dtrun exits with ExitCode.HANG.
+When nothing progressed for ``hang_timeout`` seconds the watch prints the roll-call
+report (launcher/stacks.py) once, and again only after progress resumed and stalled anew.
+``on_hang="abort"`` then stops the job, and dtrun exits with ExitCode.HANG.
 """
 from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from typing import Callable, Optional
 
+from dtrun.launcher.hosts import is_local
+from dtrun.launcher.job.agents import agent_argv
+from dtrun.launcher.job.kill import pmix_namespace, reap_remote_daemons, tidy_remote_hosts
 from dtrun.launcher.job.result import StopReason
 from dtrun.launcher.jobstate import JobInfo
-from dtrun.launcher.job.agents import agent_argv
+from dtrun.launcher.stacks import report
 
 ON_HANG = ("report", "abort", "restart")  # restart: stop as abort does, then --max-restarts (launcher/restarts.py)
 
 
-class Monitor:
-    """One per job: SIGQUIT → report; with ``hang_timeout`` also the watchdog."""
+class HangWatch:
+    """A job observer, one per job: SIGQUIT → report; with ``hang_timeout`` also the watchdog.
+    After a job that ended by itself it ends the daemons or tidies the files left on the other hosts."""
 
     def __init__(self, job: JobInfo, hang_timeout: Optional[float] = None, on_hang: str = "report",
                  stacks_timeout: float = 5.0, out: Callable[[str], None] = None, reap_daemons: bool = False):
@@ -38,9 +41,6 @@ class Monitor:
         self.nspace = ""  # the job's Open MPI 5 PMIx namespace, once it runs (on_start)
         self.stacks_timeout = stacks_timeout
         self.out = out or (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush()))
-        self.wants_output = hang_timeout is not None  # relay stdout through dtrun to see lines
-        self.hung = False
-        self.reports: list[tuple[str, float]] = []  # (report, seconds from detection to printed)
         self._abort: Optional[Callable[[], None]] = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -60,7 +60,7 @@ class Monitor:
         self._last_output = time.monotonic()
 
     def request_dump(self, reason: str) -> None:
-        """From a signal handler: only sets a flag; the monitor thread does the work."""
+        """From a signal handler: only sets a flag; the watch thread does the work."""
         self._dump_reason = reason
         self._dump.set()
 
@@ -70,7 +70,7 @@ class Monitor:
         self._last_output = self._last_rec = self._last_log = t0
         if self.hang_timeout is not None:
             self._start_watchers()
-        t = threading.Thread(target=self._loop, name="dtrun-monitor", daemon=True)
+        t = threading.Thread(target=self._loop, name="dtrun-hangwatch", daemon=True)
         t.start()
         self._threads.append(t)
 
@@ -91,7 +91,7 @@ class Monitor:
     def on_start(self, job) -> None:
         # Open MPI 5 names the job's PMIx namespace after this host and mpirun's pid: the kill
         # agent proves a daemon whose ranks have ended by it (agent.kill).
-        self.nspace = f"prterun-{socket.gethostname()}-{job.pid}@0"
+        self.nspace = pmix_namespace(job.pid)
         self.start(abort=lambda: job.stop(StopReason.HANG, f"no progress (--on-hang {self.on_hang})"))
 
     def on_output(self, _stream, _data) -> None:
@@ -119,14 +119,15 @@ class Monitor:
         self.stop()
         if result.launcher == "srun" or result.stop is not None:
             return  # a job dtrun stopped gets kill_leftovers, which tidies too; under srun ssh may be blocked
+        others = [h for h in self.job.hosts if not is_local(h)]
         if self.reap_daemons:
             # Open MPI 5: a prted that PMIx deadlocked in its finalize outlives mpirun, ended
             # or failed, and nothing else ends it. The agent's kill tidies too.
-            self.reap_remote_daemons()
+            reap_remote_daemons(self.job, others, self.nspace)
         elif result.returncode != 0:
             # A failed rank's peers can be SIGKILLed by MPI before their wrappers tidy up; on a
             # host without a shared file system their files would stay.
-            self.tidy_remote_hosts()
+            tidy_remote_hosts(self.job, others)
 
     # -- progress
     def _start_watchers(self) -> None:
@@ -190,37 +191,15 @@ class Monitor:
                 what = "collectives" if self._runtime else "output"
                 self._report(f"hang: no progress for {now - last:.0f} s (no {what} from any rank).", now)
                 if self.on_hang in ("abort", "restart"):
-                    self.hung = True
                     self.out(f"dtrun: --on-hang {self.on_hang}: stopping the job")
                     if self._abort:
                         self._abort()
                     return
 
     def _report(self, headline: str, detected: float) -> None:
-        from dtrun.launcher.stacks import report
-
         try:
             text, _path, _answers = report(self.job, headline, self.stacks_timeout)
         except Exception as exc:  # the report must never take the job down
             text = f"{headline}\n  (could not collect stacks: {type(exc).__name__}: {exc})"
         took = time.monotonic() - detected
         self.out(f"dtrun: {text}\n  (collected in {took:.2f} s)")
-        self.reports.append((text, took))
-
-    def kill_leftovers(self, budget: float = 5.0) -> None:
-        """After dtrun stopped the job: end what it left on every host (launcher/job/kill.py)."""
-        from dtrun.launcher.job.kill import kill_leftovers
-
-        kill_leftovers(self.job, self.nspace, budget)
-
-    def reap_remote_daemons(self, budget: float = 3.0) -> None:
-        """After the job ended by itself: end its daemons still alive on the other hosts."""
-        from dtrun.launcher.job.kill import reap_remote_daemons
-
-        reap_remote_daemons(self.job, self.nspace, budget)
-
-    def tidy_remote_hosts(self, budget: float = 3.0) -> None:
-        """Remove what the job's ended ranks left on the other hosts (launcher/job/kill.py)."""
-        from dtrun.launcher.job.kill import tidy_remote_hosts
-
-        tidy_remote_hosts(self.job, budget)

@@ -191,11 +191,6 @@ def list_jobs() -> JobListing:
     return JobListing(here, elsewhere)
 
 
-def running_jobs() -> list[JobInfo]:
-    """Jobs whose dtrun runs here, alive, oldest first (see ``list_jobs``)."""
-    return list_jobs().here
-
-
 def _elsewhere_note(jobs: list[JobInfo], command: str) -> str:
     if not jobs:
         return ""

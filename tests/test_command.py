@@ -13,7 +13,7 @@ from dtrun.launcher.errors import ExitCode, MpiFlavorError, UsageError
 from dtrun.launcher.flavors import MPICH, OPENMPI, Flavor, parse_version_output
 from dtrun.launcher.hostfile import parse_host_list
 from dtrun.launcher.job.markers import parse_marker
-from dtrun.launcher.job.result import JobResult, RankFailure, exit_code_for
+from dtrun.launcher.job.result import JobResult, RankFailure, StopReason, StopState, exit_code_for
 from dtrun.launcher.job.summary import failure_summary
 
 OMPI4 = Flavor(OPENMPI, (4, 1, 4), "/usr/bin/mpirun", "/usr")
@@ -324,7 +324,8 @@ def test_failing_rank_code_wins_over_the_launchers_own_code():
 
 def test_stdout_closed_is_not_blamed_on_a_rank():
     from dtrun.launcher.job.result import SIGPIPE_EXIT
-    r = JobResult(returncode=SIGPIPE_EXIT, mpirun_returncode=1, failures=[RankFailure("0", "h", signum=15, forwarded=True)], stdout_closed=True)
+    r = JobResult(returncode=SIGPIPE_EXIT, mpirun_returncode=1, failures=[RankFailure("0", "h", signum=15, forwarded=True)],
+                  stops=[StopState(StopReason.STDOUT_CLOSED, "stdout closed")])
     text = failure_summary(r)
     assert "stdout was closed" in text and "rank 0" not in text
 
@@ -341,11 +342,13 @@ def test_lost_daemon_names_its_host():
 
 
 def test_timeout_and_signal_summaries():
-    r = JobResult(returncode=ExitCode.TIMEOUT, mpirun_returncode=-9, failures=[], timeout="the job ran longer than --timeout 5 s", forced=True)
+    r = JobResult(returncode=ExitCode.TIMEOUT, mpirun_returncode=-9, failures=[],
+                  stops=[StopState(StopReason.TIMEOUT, "the job ran longer than --timeout 5 s")], forced=True)
     text = failure_summary(r)
     assert text.startswith("dtrun: the job ran longer than --timeout 5 s; the job was stopped (exit 124)")
     assert "did not stop within" in text
-    assert failure_summary(JobResult(returncode=129, mpirun_returncode=0, failures=[], interrupted=True, signum=signal.SIGHUP)).startswith(
+    assert failure_summary(JobResult(returncode=129, mpirun_returncode=0, failures=[],
+                                     stops=[StopState(StopReason.SIGNAL, "stopped by SIGHUP", signal.SIGHUP)])).startswith(
         "dtrun: stopped by SIGHUP; mpirun stopped the job on every host")
     assert exit_code_for(0, [], True, signal.SIGHUP) == 129
     assert exit_code_for(0, [], True, signal.SIGQUIT) == 131

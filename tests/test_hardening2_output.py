@@ -19,7 +19,7 @@ import pytest
 
 from dtrun.launcher.remote import rankexec
 from dtrun.launcher.job.markers import parse_marker, parse_start_marker, split_eof_markers
-from dtrun.launcher.job.result import JobResult
+from dtrun.launcher.job.result import JobResult, StopReason, StopState
 from dtrun.launcher.job.summary import failure_summary
 from tests.dtrun_helpers import DTRUN, PYTHON, REPO, dtrun, user_env
 
@@ -318,7 +318,8 @@ def test_summary_names_the_launcher():
     assert failure_summary(srun) == "dtrun: job failed: srun exited with code 137"
     killed = JobResult(returncode=137, mpirun_returncode=-9, launcher="mpiexec.hydra")
     assert failure_summary(killed) == "dtrun: job failed: mpiexec.hydra was killed by SIGKILL"
-    stopped = JobResult(returncode=130, mpirun_returncode=0, interrupted=True, signum=2, launcher="srun")
+    stopped = JobResult(returncode=130, mpirun_returncode=0, launcher="srun",
+                        stops=[StopState(StopReason.SIGNAL, "stopped by SIGINT", 2)])
     assert failure_summary(stopped) == "dtrun: stopped by SIGINT; srun stopped the job on every host"
 
 

@@ -67,8 +67,8 @@ def test_host_names_read_from_mpiruns_text_stop_at_a_control_byte():
 
 
 def test_the_summary_carries_no_control_byte_of_a_name():
-    result = JobResult(returncode=1, mpirun_returncode=1, failures=[RankFailure("3", "h\x1b]0;x\x07", code=1)])
-    result.notes.append("the end of the output of rank 3 on h\x00 did not arrive")
+    result = JobResult(returncode=1, mpirun_returncode=1, failures=[RankFailure("3", "h\x1b]0;x\x07", code=1)],
+                       notes=["the end of the output of rank 3 on h\x00 did not arrive"])
     text = failure_summary(result)
     assert not CONTROL.search(text.encode()) and "\x1b" not in text, text
 
@@ -96,7 +96,7 @@ RUNNER = textwrap.dedent('''\
     from dtrun.launcher.job.supervisor import run_job
     result = run_job([sys.executable, sys.argv[1]], expected=("h1", "h2", "h3"))
     if result.returncode != 0 or result.notes:
-        print(failure_summary(result), file=sys.stderr)  # as launcher/launch.py does
+        print(failure_summary(result), file=sys.stderr)  # as launcher/jobend.py does
 ''')
 
 

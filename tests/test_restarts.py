@@ -18,7 +18,7 @@ from dtrun.launcher.restarts import (
     plan_hosts,
     repeated_failure,
 )
-from dtrun.launcher.job.result import JobResult, RankFailure
+from dtrun.launcher.job.result import JobResult, RankFailure, StopReason, StopState
 from tests.dtrun_helpers import PYTHON, REPO, dtrun, one_line_error
 
 
@@ -98,11 +98,14 @@ def test_same_exit_code_is_the_same_failure_a_kill_only_on_the_same_rank():
     assert not same_failure_twice(kill[0], kill[1], True) and same_failure_twice(kill[1], kill[2], True)
 
 
+HANG = StopState(StopReason.HANG, "no progress (--on-hang abort)")
+
+
 def test_signals_timeouts_and_hang_abort_are_never_restarted():
-    assert not failure_of(result(interrupted=True, signum=signal.SIGTERM)).restartable
-    assert not failure_of(result(timeout="the job ran longer than --timeout 5 s"), timed_out=True).restartable
-    assert not failure_of(result(hung=True), on_hang="abort").restartable
-    assert failure_of(result(hung=True), on_hang="restart").restartable
+    assert not failure_of(result(stops=[StopState(StopReason.SIGNAL, "stopped by SIGTERM", signal.SIGTERM)])).restartable
+    assert not failure_of(result(stops=[StopState(StopReason.TIMEOUT, "the job ran longer than --timeout 5 s")]), timed_out=True).restartable
+    assert not failure_of(result(stops=[HANG]), on_hang="abort").restartable
+    assert failure_of(result(stops=[HANG]), on_hang="restart").restartable
     assert failure_of(result(lost_daemon_host="h2")).hosts == ("h2",)
 
 

@@ -1,7 +1,7 @@
 """No process of a failed attempt survives on any host once the next attempt runs (Open MPI 5).
 
 Between attempts dtrun has each healthy host's kill agent stop what is left of the failed
-attempt (launcher/restarts.py ``_cleanup``). A daemon (``prted``) whose ranks have already
+attempt (launcher/run.py ``_cleanup``). A daemon (``prted``) whose ranks have already
 ended has no rank left to prove it the job's: only the attempt's PMIx namespace does
 (launcher/remote/rankstate.py ``started_by``), so the clean-up must hand it to the agent.
 
@@ -9,8 +9,8 @@ The agent considers only the daemons recorded in the job directory, so the scena
 that record: the rank on the frozen daemon's host is SIGKILLed (a rank that exits on its
 own has its wrapper remove its host's daemon record, rankstate ``_after_last_rank``), and
 dtrun itself stops the attempt (the host is lost silently and the hang watchdog fires;
-when mpirun ends by itself the monitor's ``tidy`` removes the record first, hangwatch
-``Monitor.on_end``). Either way the daemon would be out of reach of any proof.
+when mpirun ends by itself the hang watch's ``tidy`` removes the record first, hangwatch
+``HangWatch.on_end``). Either way the daemon would be out of reach of any proof.
 """
 import os
 import signal

@@ -12,7 +12,7 @@ from dtrun.launcher.flavors import MPICH, OPENMPI, Flavor
 from dtrun.launcher.hosts import resolve_hosts
 from dtrun.launcher.launch import LaunchOptions, make_spec
 from dtrun.launcher.remote.rankexec import rank_env
-from dtrun.launcher.job.result import JobResult, RankFailure
+from dtrun.launcher.job.result import JobResult, RankFailure, StopReason, StopState
 
 OMPI5 = Flavor(OPENMPI, (5, 0, 11), "/venv/bin/mpirun", "/venv")
 OMPI4 = Flavor(OPENMPI, (4, 1, 4), "/usr/bin/mpirun.openmpi", "/usr")
@@ -196,4 +196,5 @@ def test_watcher_stops_once_when_the_job_ends_and_not_on_a_failed_query():
 def test_exit_code_is_the_first_failing_rank_not_srun_highest():
     result = JobResult(returncode=143, mpirun_returncode=143, failures=[RankFailure("1", "n2", code=3), RankFailure("0", "n1", signum=15)])
     assert slurm.srun_exit_code(result) == 3
-    assert slurm.srun_exit_code(JobResult(returncode=130, mpirun_returncode=1, failures=[], interrupted=True)) == 130
+    assert slurm.srun_exit_code(JobResult(returncode=130, mpirun_returncode=1, failures=[],
+                                            stops=[StopState(StopReason.SIGNAL, "stopped by SIGINT", 2)])) == 130

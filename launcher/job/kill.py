@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -58,25 +59,34 @@ def kill_session(sid: int) -> None:
             pass
 
 
-def kill_leftovers(job, nspace: str = "", budget: float = 5.0) -> None:
-    """On every host at once, have the agent SIGKILL any rank of ``job`` (a jobstate.JobInfo)
+def pmix_namespace(launcher_pid: int) -> str:
+    """The PMIx namespace Open MPI 5 gives a job: named after this host and mpirun's pid. The
+    kill agent proves by it a daemon of the job whose ranks have ended (agent.kill, agent.reap)."""
+    return f"prterun-{socket.gethostname()}-{launcher_pid}@0"
+
+
+def kill_leftovers(job, hosts: Sequence[str], nspace: str = "", budget: float = 5.0) -> None:
+    """On ``hosts`` at once, have the agent SIGKILL any rank of ``job`` (a jobstate.JobInfo)
     its directory still lists and the MPI daemons that started them (``nspace``: Open MPI 5's
     PMIx namespace, which proves a daemon whose ranks have ended is this job's).
 
     Bounded by ``budget`` seconds in all, whatever the network does (a silent host's ssh
     client is killed when it runs out).
     """
-    run_host_agents(job, "kill", dict.fromkeys(job.hosts), budget, (nspace,) if nspace else ())
+    hosts = list(dict.fromkeys(hosts))
+    if hosts:
+        run_host_agents(job, "kill", hosts, budget, (nspace,) if nspace else ())
 
 
-def reap_remote_daemons(job, nspace: str, budget: float = 3.0) -> None:
+def reap_remote_daemons(job, hosts: Sequence[str], nspace: str, budget: float = 3.0) -> None:
     """After an Open MPI 5 job ended by itself: on every other host at once, have the agent
     SIGKILL what is left of it. PMIx 5 can deadlock a prted in its own finalize after mpirun
     has gone (both of its threads waiting on each other: seen about once in 50 jobs with a
     failing rank on a loaded machine); nothing else would ever end it. The agent finds such a
     daemon by ``nspace`` (this job's, and mpirun has ended: no other job's) and the user's uid,
-    and gives it a second to exit by itself (one still finalizing normally is not stuck)."""
-    hosts = _other_hosts(job)
+    and gives it a second to exit by itself (one still finalizing normally is not stuck).
+    ``hosts``: the job's hosts other than this one."""
+    hosts = list(dict.fromkeys(hosts))
     if not (hosts and nspace):
         return
     for host, answer in zip(hosts, run_host_agents(job, "reap", hosts, budget, (nspace,))):
@@ -87,19 +97,12 @@ def reap_remote_daemons(job, nspace: str, budget: float = 3.0) -> None:
                   "dtrun ended it", file=sys.stderr)
 
 
-def tidy_remote_hosts(job, budget: float = 3.0) -> None:
-    """On every other host at once, remove what the job's ended ranks left in the job
-    directory there (the agent's ``tidy``); dtrun removes its own host's directory."""
-    hosts = _other_hosts(job)
+def tidy_remote_hosts(job, hosts: Sequence[str], budget: float = 3.0) -> None:
+    """On ``hosts`` (the job's other hosts) at once, remove what the job's ended ranks left in
+    the job directory there (the agent's ``tidy``); dtrun removes its own host's directory."""
+    hosts = list(dict.fromkeys(hosts))
     if hosts:
         run_host_agents(job, "tidy", hosts, budget)
-
-
-def _other_hosts(job) -> list[str]:
-    """The job's hosts other than this one, each once, in order."""
-    from dtrun.launcher.hosts import is_local
-
-    return [h for h in dict.fromkeys(job.hosts) if not is_local(h)]
 
 
 def run_host_agents(job, mode: str, hosts: Iterable[str], budget: float,

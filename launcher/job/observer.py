@@ -1,4 +1,4 @@
-"""The hooks other parts of dtrun follow a running job by (hang monitor, straggler watch,
+"""The hooks other parts of dtrun follow a running job by (hang watch, straggler watch,
 restarts, the PMIx session lock). Standard library only, so an observer's module pays
 nothing for importing it."""
 from __future__ import annotations

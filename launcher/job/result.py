@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import os
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from dtrun.launcher.errors import ExitCode, signal_exit_code, signal_name
@@ -77,28 +77,89 @@ class RankFailure:
         return self.code if self.code else (mpirun_rc or ExitCode.FAILED)
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class JobResult:
+    """How a job ended, built once by the supervisor (``launcher.job.supervisor``) and never
+    changed: a caller that must say more (a note, srun's exit code) makes a new one with
+    ``dataclasses.replace``.
+
+    Why dtrun stopped the job is one record, ``stops``: every stop request in the order they
+    came (the first is the stop). ``interrupted``, ``signum``, ``timeout``, ``hung``,
+    ``stopped`` and ``stdout_closed`` are read from it.
+    """
+
     returncode: int  # dtrun's exit code
     mpirun_returncode: int
-    failures: list = field(default_factory=list)
-    interrupted: bool = False
-    signum: Optional[int] = None  # the signal that stopped dtrun
-    timeout: Optional[str] = None  # why a time limit stopped the job (a sentence)
-    stdout_closed: bool = False  # dtrun's stdout went away (| head): the job was stopped
+    failures: tuple[RankFailure, ...] = ()
+    stops: tuple[StopState, ...] = ()  # every request to stop the job, in order (none: it ended by itself)
     lost_daemon_host: Optional[str] = None  # Open MPI lost its daemon on this host
-    vanished: list = field(default_factory=list)  # (rank, host) started, then never heard of again
-    notes: list = field(default_factory=list)  # warnings for the end of the run
-    hung: bool = False  # --on-hang abort stopped the job (launcher/hangwatch.py)
+    vanished: tuple[tuple[str, str], ...] = ()  # (rank, host) started, then never heard of again
+    notes: tuple[str, ...] = ()  # warnings for the end of the run
     forced: bool = False  # mpirun did not stop in time: its session on this host was killed
-    stopped: bool = False  # dtrun stopped the job (a signal, a time limit, a failed rank, --on-hang abort)
     pmix_refused: Optional[str] = None  # where PMIx 5.0 refused to start (a stale session dir: launcher/remote/sessiondirs.py)
     launcher: str = "mpirun"  # the program that ran the job, as messages name it (srun, mpiexec.hydra, mpirun)
-    stop: Optional[StopState] = None  # why dtrun stopped the job (None: it ended by itself)
+    launcher_pid: Optional[int] = None  # the launcher's pid (Open MPI 5 names its PMIx namespace after it)
+
+    def __post_init__(self) -> None:
+        for name in ("failures", "stops", "vanished", "notes"):  # callers may hand lists
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    @property
+    def stop(self) -> Optional[StopState]:
+        """Why dtrun stopped the job (the first request), or None: it ended by itself."""
+        return self.stops[0] if self.stops else None
 
     @property
     def stop_reason(self) -> Optional[StopReason]:
         return self.stop.reason if self.stop is not None else None
+
+    @property
+    def stopped(self) -> bool:
+        """dtrun stopped the job (a signal, a time limit, a failed rank, --on-hang, stdout closed)."""
+        return bool(self.stops)
+
+    @property
+    def hung(self) -> bool:
+        """--on-hang abort or restart stopped the job (launcher/hangwatch.py)."""
+        return self.stop_reason is StopReason.HANG
+
+    def _requested(self, reason: StopReason) -> Optional[StopState]:
+        """The first request for ``reason``, also after another cause stopped the job; none
+        after a hang stop, which is what the end of the job reports whatever came after it."""
+        if self.hung:
+            return None
+        return next((s for s in self.stops if s.reason is reason), None)
+
+    @property
+    def signum(self) -> Optional[int]:
+        """The first terminating signal that reached dtrun while the job ran."""
+        state = self._requested(StopReason.SIGNAL)
+        return state.signum if state is not None else None
+
+    @property
+    def interrupted(self) -> bool:
+        """A signal stopped dtrun: its exit code is the signal's, and no restart follows."""
+        return self.signum is not None
+
+    @property
+    def timeout(self) -> Optional[str]:
+        """Why a time limit stopped the job (--timeout or --start-timeout, a sentence), or None."""
+        if self.stop_reason in (StopReason.TIMEOUT, StopReason.START_TIMEOUT):
+            return self.stop.detail
+        return None
+
+    @property
+    def stdout_closed(self) -> bool:
+        """dtrun's stdout went away (| head): the job was stopped."""
+        return self._requested(StopReason.STDOUT_CLOSED) is not None
+
+    @property
+    def unexplained(self) -> bool:
+        """The launcher failed and nothing dtrun saw explains it: no rank failed, nothing stopped
+        the job (a signal, a time limit, --on-hang, stdout closed), no daemon was lost and no
+        rank went silent."""
+        return (self.returncode != 0 and not self.failures and not self.interrupted and not self.timeout
+                and not self.hung and not self.stdout_closed and not self.vanished and not self.lost_daemon_host)
 
 
 def launcher_name(argv: Sequence[str]) -> str:

@@ -1,6 +1,7 @@
 """Every message about a job's end, rendered in one place from the typed records of
 ``launcher.job.result``: the failure summary (one line and a short table like torchrun's)
-and the notes and time-limit sentences the supervisor attaches to a result.
+and the notes and time-limit sentences the supervisor and the end of an attempt
+(launcher/jobend.py) attach to a result.
 """
 from __future__ import annotations
 
@@ -133,3 +134,21 @@ def _first_failure_table(result: JobResult, first: RankFailure, log_dir: Optiona
     if log_dir:
         lines.append(f"    log        : {os.path.join(log_dir, f'rank.{first.rank}.log')}")
     return lines
+
+
+def pmix_refused_note(host: str, removed: int) -> str:
+    """The failure summary's note when PMIx would not start on ``host`` and no rank started."""
+    return (f"Open MPI's PMIx would not start on {host} and no rank started: the usual cause is "
+            "a session directory that a killed job left in that host's temporary directory (ompi.PID, prted.PID) "
+            "naming the pid the new mpirun or daemon was given, which PMIx 5.0 does not reclaim. dtrun removes "
+            "such directories on this machine at every launch" + (f" ({removed} just now)" if removed else "")
+            + " and each host's rank wrapper removes them during every job: run the job again (a new daemon "
+            "gets a new pid)")
+
+
+def tree_spawn_note(hosts: int) -> str:
+    """The failure summary's note when mpirun failed silently before any rank under tree spawn."""
+    return (f"{hosts} hosts: Open MPI's daemons start each other over ssh (tree spawn), and mpirun "
+            "failed before any rank started; a host that cannot ssh to its children fails a launch this way "
+            "(Open MPI 5 says nothing about it, 4.1 prints the ssh error with the child's address only): "
+            "`dtrun doctor` names the pair, --no-tree-spawn starts every daemon from this host")

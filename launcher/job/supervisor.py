@@ -5,7 +5,7 @@ mpirun runs in its own session with the argument list (no shell). The supervisor
 * stops the job on every catchable terminating signal (``STOP_SIGNALS``), when ``timeout``
   passes, when ranks have not started within ``start_timeout`` (naming the hosts they were
   meant for), and when a rank fails and mpirun does not end the job by itself (MPICH's
-  Hydra keeps the other ranks running); observers (the hang monitor's --on-hang abort)
+  Hydra keeps the other ranks running); observers (the hang watch's --on-hang abort)
   stop it the same way: every cause is one call of ``JobSupervisor.stop``;
 * stopping is SIGINT to mpirun once (a terminal's Ctrl-C reaching both would make Open MPI
   skip its clean-up), SIGTERM on a second request, and whatever of mpirun's session is
@@ -242,29 +242,32 @@ class JobSupervisor:
     def _result(self, pumps: OutputPumps) -> JobResult:
         mpirun_rc, stop = self.proc.returncode, self.stop_state
         launcher = launcher_name(self.proc.args)
-        if stop is not None and stop.reason is StopReason.HANG:  # the hang monitor's --on-hang abort
-            return JobResult(returncode=ExitCode.HANG, mpirun_returncode=mpirun_rc, hung=True, stopped=True,
-                             launcher=launcher, stop=stop)
+        with self._lock:
+            stops = tuple(self._requests)
+        if stop is not None and stop.reason is StopReason.HANG:  # the hang watch's --on-hang abort
+            return JobResult(returncode=ExitCode.HANG, mpirun_returncode=mpirun_rc, stops=stops, launcher=launcher,
+                             launcher_pid=self.pid)
         signum = self.signum
         timed_out = stop.detail if stop is not None and stop.reason in (StopReason.TIMEOUT,
                                                                         StopReason.START_TIMEOUT) else None
         failures = self._ordered_failures(pumps, mpirun_rc, signum is not None)
         stderr_tail = pumps.stderr_text()
         lost = parsers.lost_daemon_host(stderr_tail) if root_cause(failures) is None else None
-        result = JobResult(
-            returncode=self._exit_code(mpirun_rc, failures, signum, timed_out, lost), mpirun_returncode=mpirun_rc,
-            failures=failures, interrupted=signum is not None, signum=signum, timeout=timed_out,
-            stdout_closed=self.stdout_closed, lost_daemon_host=lost, forced=self._forced, stopped=stop is not None,
-            pmix_refused=None if self.started_ranks else parsers.pmix_refusal(stderr_tail + "".join(pumps.stdout_head)),
-            launcher=launcher, stop=stop)
+        vanished = []
         if mpirun_rc != 0 and root_cause(failures) is None and not lost and signum is None and timed_out is None:
-            result.vanished = self._vanished(pumps)
+            vanished = self._vanished(pumps)
+        notes = []
         missing = output_cut_short(self, pumps.eof_ranks, mpirun_rc == 0 and stop is None and not lost)
         if missing:
-            result.notes.append(summary.cut_short_note(missing, self.started_ranks))
+            notes.append(summary.cut_short_note(missing, self.started_ranks))
         if pumps.throttled:
-            result.notes.append(summary.throttled_note(launcher, STDOUT_BUFFER_MAX))
-        return result
+            notes.append(summary.throttled_note(launcher, STDOUT_BUFFER_MAX))
+        return JobResult(
+            returncode=self._exit_code(mpirun_rc, failures, signum, timed_out, lost), mpirun_returncode=mpirun_rc,
+            failures=failures, stops=stops, lost_daemon_host=lost, vanished=vanished, notes=notes,
+            forced=self._forced,
+            pmix_refused=None if self.started_ranks else parsers.pmix_refusal(stderr_tail + "".join(pumps.stdout_head)),
+            launcher=launcher, launcher_pid=self.pid)
 
     def _ordered_failures(self, pumps: OutputPumps, mpirun_rc: int, interrupted: bool) -> list[RankFailure]:
         """The ranks' failures, root cause first; the launcher's own report where no marker named one."""
@@ -347,7 +350,7 @@ def _grow_pipe(stream) -> None:
 def run_job(argv: Sequence[str], env: Optional[dict] = None, *, timeout: Optional[float] = None,
             start_timeout: Optional[float] = None, expected: Sequence[str] = (),
             observers: Sequence[JobObserver] = (), failure_grace: float = FAILURE_GRACE_S,
-            monitor=None, timeout_limit: Optional[float] = None) -> JobResult:
+            timeout_limit: Optional[float] = None) -> JobResult:
     """Run mpirun with ``argv`` and wait, handling signals and time limits. Never uses a shell.
 
     Args:
@@ -355,13 +358,11 @@ def run_job(argv: Sequence[str], env: Optional[dict] = None, *, timeout: Optiona
         timeout_limit: the --timeout the message names, when ``timeout`` is what is left of it.
         start_timeout: seconds until every rank's wrapper must have said it started (None: no limit).
         expected: host name of each rank, to name the hosts whose ranks did not start.
-        observers: hooks that follow the job (see JobObserver).
+        observers: hooks that follow the job (see JobObserver), such as the hang watch
+            (launcher/hangwatch.HangWatch): SIGQUIT prints every rank's stack and the job goes
+            on; with --hang-timeout it may stop the job.
         failure_grace: seconds mpirun gets to end the job after a rank failed before dtrun stops it.
-        monitor: the hang monitor (launcher/hangwatch.Monitor), one more observer: SIGQUIT prints
-            every rank's stack and the job goes on; with --hang-timeout it may stop the job.
     """
-    if monitor is not None:
-        observers = tuple(observers) + (monitor,)
     stdin = subprocess.DEVNULL if sys.stdin is None or sys.stdin.isatty() else None
     token = new_marker_token()
     limits = Limits(timeout, start_timeout, tuple(expected), failure_grace, timeout_limit)
