@@ -94,20 +94,19 @@ def run(
     from dtrun.launcher.launch import LaunchOptions  # lazy: the launch pipeline, not for --help/--version
     from dtrun.launcher.run import launch  # lazy: the launch pipeline, not for --help/--version
 
-    hosts = dict(host_list=host_list, hostfile=hostfile, cluster=cluster, include=include, exclude=exclude)
+    hosts = _host_options(dict(host_list=host_list, hostfile=hostfile, cluster=cluster, include=include,
+                               exclude=exclude), ssh_config)
     opts = LaunchOptions(
-        program=tuple(program or ()), np=np, hosts=_host_options(hosts, ssh_config), oversubscribe=oversubscribe,
+        program=tuple(program or ()), np=np, hosts=hosts, oversubscribe=oversubscribe,
         include_iface=include_iface, exclude_iface=exclude_iface, env=tuple(env), mca=ctx.obj.mca if ctx.obj else (),
         mpi_args=mpi_args, tag_output=tag_output, log_dir=log_dir, nccl_debug=nccl_debug,
-        no_tree_spawn=no_tree_spawn, mpirun=mpirun, dry_run=dry_run,
-        preflight=not no_preflight, verbose=verbose, hang_timeout=hang_timeout, on_hang=on_hang,
-        timeout=timeout, start_timeout=start_timeout,
+        no_tree_spawn=no_tree_spawn, mpirun=mpirun, dry_run=dry_run, preflight=not no_preflight, verbose=verbose,
+        hang_timeout=hang_timeout, on_hang=on_hang, timeout=timeout, start_timeout=start_timeout,
         pin_gpus=pin_gpus, horovod=horovod, launcher=launcher, max_restarts=max_restarts, min_np=min_np, spares=spares, top=top,
     )
-    # The one place that joins launcher/ and checks/: the launch applies the preflight's choice.
-    from dtrun.checks.hostcheck import check_hosts  # lazy: the ssh checks, only a launch needs them
-    from dtrun.checks.preflight import preflight  # lazy: the ssh checks, only a launch needs them
-
+    # lazy: the ssh checks, only a launch needs them. The one place that joins launcher/ and checks/.
+    from dtrun.checks.hostcheck import check_hosts
+    from dtrun.checks.preflight import preflight  # lazy: as above
     raise typer.Exit(launch(opts, preflight, check_hosts))
 
 
