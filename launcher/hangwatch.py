@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from dtrun.launcher.agentreport import parse_watch
 from dtrun.launcher.hosts import is_local
 from dtrun.launcher.job.agents import agent_argv
 from dtrun.launcher.job.kill import pmix_namespace, reap_remote_daemons, tidy_remote_hosts
@@ -148,12 +149,14 @@ class HangWatch:
     def _read_watch(self, p: subprocess.Popen) -> None:
         for line in p.stdout:
             try:
-                data = json.loads(line)
+                ranks = parse_watch(json.loads(line))
             except ValueError:
                 continue
+            if ranks is None:
+                continue  # not a watch line: one odd line must not end this host's watcher
             now = time.monotonic()
             with self._lock:
-                for rank, (seq, log) in data.get("ranks", {}).items():
+                for rank, (seq, log) in ranks.items():
                     prev = self._seen.get(rank)
                     if seq is not None:
                         self._runtime = True

@@ -468,3 +468,17 @@ def test_native_hang_under_system_mpi(request, tmp_path, mpirun, mpicc, multihos
     full = open(re.search(r"full stacks: (\S+)", err).group(1)).read()
     assert re.search(rf"== rank 2 on {third} pid \d+ state S \(sleeping\) wchan \S+ via gdb", full), full
     assert wait_until_empty(lambda: _token_procs(token), timeout=10) == []
+
+
+def test_an_odd_watch_line_does_not_end_the_hosts_watcher(tmp_path):
+    """A host agent's watch line that is JSON but not a watch answer (a list, ranks as a list,
+    a rank's pair with a string) is skipped: the lines after it still count as progress."""
+    from types import SimpleNamespace
+
+    from dtrun.launcher.hangwatch import HangWatch
+
+    watch = HangWatch(JobInfo(id="t", dir=str(tmp_path), hosts=("localhost",), np=2, dtrun_pid=os.getpid()))
+    lines = ['[1, 2]\n', '{"ranks": [0, 1]}\n', '{"ranks": {"0": ["x", 5], "1": 7}}\n', 'not json\n',
+             '{"ranks": {"0": [3, 10], "1": [null, 4]}}\n']
+    watch._read_watch(SimpleNamespace(stdout=iter(lines)))
+    assert watch._seen["0"] == [3, 10] and watch._seen["1"] == [None, 4]
