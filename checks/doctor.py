@@ -75,6 +75,21 @@ def run_doctor(spec: DoctorSpec) -> int:
     return report.exit_code
 
 
+def links_sample(text: Optional[str], links: bool) -> Optional[int]:
+    """``--links-sample`` as a number of pairs (None: the default).
+
+    Raises:
+        UsageError: not a whole number from 0 to 4096, or given without ``--links``.
+    """
+    if text is None:
+        return None
+    if not text.strip().isdigit() or int(text) > 4096:
+        raise UsageError(f"--links-sample {text!r}: expected a whole number of pairs from 0 to 4096")
+    if not links:
+        raise UsageError("--links-sample needs --links")
+    return int(text)
+
+
 def diagnose(spec: DoctorSpec, selection, live: bool = False) -> DoctorReport:
     """Every check on every host of ``selection``; the report with one or more findings per host and check."""
     progress = Progress(live)

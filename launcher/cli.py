@@ -168,22 +168,15 @@ def doctor_cmd(
     no_e2e: bool = typer.Option(False, "--no-e2e", help="Skip the end-to-end job."),
     e2e_timeout: Optional[float] = typer.Option(None, "--e2e-timeout", help="Seconds the end-to-end job may take before it counts as a hang (default 40)."),
     links: bool = typer.Option(False, "--links", help="Measure bandwidth and latency between hosts (all pairs up to 8 hosts, else a ring and a sample) and name the slow host or pair."),
-    links_sample: Optional[str] = typer.Option(None, "--links-sample", help="With --links: random host pairs to measure beyond the ring (default: as many as hosts; 0 for the ring only)."),
+    links_sample_text: Optional[str] = typer.Option(None, "--links-sample", help="With --links: random host pairs to measure beyond the ring (default: as many as hosts; 0 for the ring only)."),
     **hosts,
 ):
     """Check ssh, environment, network, firewall and GPUs on every host; say what to fix."""
-    from dtrun.checks.doctor import DoctorSpec, run_doctor  # lazy: every check, only this command
+    from dtrun.checks.doctor import DoctorSpec, links_sample, run_doctor  # lazy: every check, only this command
 
-    sample = None
-    if links_sample is not None:
-        if not links_sample.strip().isdigit() or int(links_sample) > 4096:
-            raise UsageError(f"--links-sample {links_sample!r}: expected a whole number of pairs from 0 to 4096")
-        if not links:
-            raise UsageError("--links-sample needs --links")
-        sample = int(links_sample)
     raise typer.Exit(run_doctor(DoctorSpec(
         hosts=_host_options(hosts, ssh_config), timeout=timeout, json=json_out, all_pairs=all_pairs, program=program, e2e=not no_e2e,
-        e2e_timeout=e2e_timeout, links=links, links_sample=sample)))
+        e2e_timeout=e2e_timeout, links=links, links_sample=links_sample(links_sample_text, links))))
 
 
 @sub_app.command("keyscan")
