@@ -69,7 +69,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     # bucket can never be matched with that bucket on another rank. Without
     # MPI_THREAD_MULTIPLE they share collectives.dp's lock.
     multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
-    _core.init(ctx.comm.split(0), lock=None if multiple else dp._LOCK,
+    _core.init(ctx.comm.split(0), lock=None if multiple else dp.LOCK,
                process_sets=process_sets)
 
 
