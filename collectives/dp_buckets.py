@@ -3,10 +3,10 @@
 A ``Bucket`` holds the gradients of a few MiB of parameters of one dtype and device,
 plus two flags per parameter (a dense gradient here; a sparse one to gather); ``Slot``
 is one parameter's place in it. ``make_buckets`` packs parameters in reverse order of
-registration, ``fill`` copies a gradient in, ``unpack`` copies the reduced bucket back
-into ``.grad``. ``Worker`` is the one background thread that reduces buckets in the
-order they are queued. Separate from the optimizer (``dp_optimizer``), which decides
-when a bucket is full and where it is reduced.
+registration, ``unpack`` copies the reduced bucket back into ``.grad`` (the optimizer's
+``_dp_fill`` copies a gradient in). ``Worker`` is the one background thread that
+reduces buckets in the order they are queued. Separate from the optimizer
+(``dp_optimizer``), which decides when a bucket is full and where it is reduced.
 """
 
 from __future__ import annotations
@@ -126,27 +126,6 @@ def make_buckets(slots: list[Slot], cap: int,
     for key, members in order:
         buckets.append(Bucket(len(buckets), members, key[0], key[1]))
     return buckets
-
-
-def fill(slot: Slot, sparse_as_dense: bool) -> None:
-    """Copy this rank's gradient (or zeros, if it has none) into the bucket. A sparse
-    gradient goes in dense (``sparse_as_dense``) or is kept aside to be gathered."""
-    b = slot.bucket
-    view = b.flat[slot.offset:slot.offset + slot.numel]
-    g = slot.param.grad
-    slot.sparse = None
-    if g is None or (g.is_sparse and not sparse_as_dense):
-        view.zero_()
-        b.flags[slot.index] = 0
-        if g is not None:
-            slot.sparse = g
-            b.sparse_flags[slot.index] = 1
-    else:
-        if g.is_sparse:
-            g = g.to_dense()
-        view.copy_(g.reshape(-1))
-        b.flags[slot.index] = 1
-    slot.ready = True
 
 
 def unpack(b: Bucket) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import dp_exchange
-from .dp_buckets import Bucket, Slot, fill, make_buckets, unpack, worker
+from .dp_buckets import Bucket, Slot, make_buckets, unpack, worker
 from .dp_context import AVG, LOCK, SUM, Context, UsageError, check_same, current
 from .dp_sparse import gather_sparse
 from .errors import CollectiveError
@@ -161,11 +161,32 @@ class _DistributedOptimizer:
                 f"parameter {slot.name!r} got a gradient more than backward_passes_per_step="
                 f"{self._dp_k} times before step(); call step() after every {self._dp_k} "
                 "backward passes, or raise backward_passes_per_step")
-        fill(slot, self._dp_sparse_as_dense)
+        self._dp_fill(slot)
         bucket = slot.bucket
         bucket.pending -= 1
         if bucket.pending == 0:
             self._dp_launch_ready()
+
+    def _dp_fill(self, slot: Slot) -> None:
+        """Copy this rank's gradient (or zeros, if it has none) into the bucket. A sparse
+        gradient goes in dense (``sparse_as_dense``) or is kept aside to be gathered.
+        The Horovod adapter wraps it per instance (gradient_predivide_factor)."""
+        b = slot.bucket
+        view = b.flat[slot.offset:slot.offset + slot.numel]
+        g = slot.param.grad
+        slot.sparse = None
+        if g is None or (g.is_sparse and not self._dp_sparse_as_dense):
+            view.zero_()
+            b.flags[slot.index] = 0
+            if g is not None:
+                slot.sparse = g
+                b.sparse_flags[slot.index] = 1
+        else:
+            if g.is_sparse:
+                g = g.to_dense()
+            view.copy_(g.reshape(-1))
+            b.flags[slot.index] = 1
+        slot.ready = True
 
     def _dp_launch_ready(self) -> None:
         """Hand complete buckets to the worker, strictly in bucket order (so every
@@ -235,7 +256,7 @@ class _DistributedOptimizer:
         for b in self._dp_buckets[self._dp_next:]:
             for s in b.slots:
                 if not s.ready:
-                    fill(s, self._dp_sparse_as_dense)
+                    self._dp_fill(s)
             b.pending = 0
         self._dp_launch_ready()
         try:
