@@ -51,6 +51,7 @@ def broadcast_object(obj: Any, root: int = 0) -> Any:
     """Root's ``obj`` (any picklable object: an epoch counter, a config) on every rank."""
     return _objects.broadcast_object(current("broadcast_object").comm, obj, root, lock=LOCK)
 
+
 def _named_tensors(obj: Any) -> list[tuple[str, torch.Tensor]]:
     if isinstance(obj, torch.nn.Module):
         return list(obj.state_dict(keep_vars=True).items())

@@ -23,6 +23,7 @@ from . import dtypes as dt
 from ._mpi import MPI
 from .array_kinds import numpy_to_torch
 
+
 def _inject(var: str) -> tuple[str, int] | None:
     raw = os.environ.get(var, "")
     if ":" not in raw:
