@@ -17,6 +17,8 @@ Exceptions are importable without MPI.
 
 from __future__ import annotations
 
+import importlib
+
 from .errors import (CollectiveError, DeviceError, MismatchError, MPIError,
                      NotContiguousError, OverlapError, ReadOnlyError, ShapeError,
                      UnsupportedDtypeError)
@@ -41,8 +43,6 @@ def __getattr__(name: str):
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'collectives' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(f".{mod}", __name__), name)
     globals()[name] = value
     return value

@@ -38,7 +38,7 @@ def dispatch(comm, name: str, args: tuple, kwargs: dict) -> Any:
             flat.append(v)
     kinds = {classify(v) for v in flat} - {None}
     if DEVICE in kinds:
-        from . import gpu
+        from . import gpu  # lazy: the GPU package, only for a device array
         return gpu.dispatch(comm, name, args, kwargs)
     if OTHER in kinds:
         bad = next(v for v in flat if classify(v) == OTHER)

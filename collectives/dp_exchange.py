@@ -19,14 +19,18 @@ keeps every bucket on the runtime's allreduce instead (MPI between hosts);
 
 from __future__ import annotations
 
+import hmac
 import os
+import secrets
+import socket
 import struct
 import sys
 from typing import Any, Callable
 
 import numpy as np
 
-from .streamring import RingError, StreamRing
+from .handshake import admit, same_user
+from .streamring import CONNECT_TIMEOUT_S, RingError, StreamRing
 
 TRANSPORTS = ("auto", "ring", "mpi")
 
@@ -58,7 +62,7 @@ def wanted(comm: Any, cpu: bool) -> bool:
     """Whether buckets should go through the ring (the same answer on every rank:
     collective over ``comm``). Raises ValueError on every rank when DTRUN_DP_TRANSPORT or
     DTRUN_DP_RING_PORTS is malformed on some rank."""
-    from ._mpi import MPI
+    from ._mpi import MPI  # lazy: initialises MPI; dp imports this before init()
 
     problem = _setting_problem()
     choice = os.environ.get("DTRUN_DP_TRANSPORT", "auto").strip().lower() or "auto"
@@ -78,7 +82,7 @@ class HostExchange:
     def __init__(self, comm: Any, add: Callable[[np.ndarray, np.ndarray], None],
                  scale: Callable[[np.ndarray, float], None],
                  copy: Callable[[np.ndarray, np.ndarray], None]) -> None:
-        from ._mpi import MPI
+        from ._mpi import MPI  # lazy: initialises MPI; dp imports this before init()
 
         self._scale, self._copy = scale, copy
         self._wide = np.empty(0, np.float32)
@@ -182,8 +186,6 @@ class _Bell:
     the host not admitted yet; any other is dropped without holding up the real ones."""
 
     def __init__(self, node: Any, rank: int, up: bool) -> None:
-        import secrets
-
         self.rank = rank
         me, size = node.Get_rank(), node.Get_size()
         self.ranks = node.allgather(rank)  # the host's ranks in the job, for messages
@@ -210,12 +212,6 @@ class _Bell:
                                   f"{self.ranks[0]}: {e.strerror or e}") from None
 
     def _gather(self, node: Any, name: str, token: bytes, size: int) -> list:
-        import hmac
-        import socket
-
-        from .handshake import admit, same_user
-        from .streamring import CONNECT_TIMEOUT_S
-
         def judge(s: socket.socket, hello: bytes) -> int | None:
             their_token, who = _BELL_HELLO.unpack(hello)
             return who if same_user(s) and hmac.compare_digest(their_token, token) else None
@@ -250,8 +246,6 @@ class _Bell:
                 pass  # that rank ended: the others still get their bell
 
     def listen(self) -> None:
-        import socket
-
         try:
             got = self.sock.recv(1)
             why = b""
@@ -284,11 +278,6 @@ class _NotReached(Exception):
 
 def _reach(name: str, token: bytes, me: int):
     """A non-leader's connection to its host's leader (who must be this user too)."""
-    import socket
-
-    from .handshake import same_user
-    from .streamring import CONNECT_TIMEOUT_S
-
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(CONNECT_TIMEOUT_S)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .errors import CollectiveError, MPIError
+
 
 class Handle:
     """A pending operation started by ``isend``/``irecv``/``iallreduce``/... .
@@ -78,7 +80,6 @@ class Handle:
 
 def _translate(op: str, exc: Exception) -> Exception:
     """MPI errors become MPIError naming the operation; ours pass through unchanged."""
-    from .errors import CollectiveError, MPIError
     if isinstance(exc, CollectiveError):
         return exc
     text = exc.Get_error_string() if hasattr(exc, "Get_error_string") else str(exc)

@@ -181,9 +181,6 @@ class Table:
             how = f"{path} {t_mpi / t:.2f}x mpi" if t > 0 and t_mpi > 0 else path
         return f"{what}: {self.source}: {how} at {_mib(BUCKETS[i])} {place}"
 
-    def to_json(self) -> dict:
-        return {"rows": self.rows, "source": self.source, "rule": self.rule}
-
 
 def candidates(shm: bool, nnodes: int, uniform: bool, local_size: int,
                compiled: bool = False) -> list[tuple[str, int]]:

@@ -52,16 +52,16 @@ def test_shard_partitions_every_item_once_per_seed():
 
 
 def test_first_difference_names_parameter_and_rank():
-    from dtrun.collectives.dp import _first_difference
+    from dtrun.collectives.dp_context import first_difference
 
     ref = [("fc.weight", (4, 2), "float32"), ("fc.bias", (4,), "float32")]
-    assert _first_difference([ref, list(ref)]) is None
-    assert _first_difference([ref, ref, [ref[0], ("fc.bias", (5,), "float32")]]) == \
+    assert first_difference([ref, list(ref)]) is None
+    assert first_difference([ref, ref, [ref[0], ("fc.bias", (5,), "float32")]]) == \
         "parameter 'fc.bias' has shape (5,) on rank 2 but (4,) on rank 0"
-    assert _first_difference([ref, ref[:1]]) == "parameter 'fc.bias' exists on rank 0 but not on rank 1"
-    assert _first_difference([ref, ref + [("extra", (1,), "float32")]]) == \
+    assert first_difference([ref, ref[:1]]) == "parameter 'fc.bias' exists on rank 0 but not on rank 1"
+    assert first_difference([ref, ref + [("extra", (1,), "float32")]]) == \
         "parameter 'extra' exists on rank 1 but not on rank 0"
-    assert "is float64 on rank 1" in _first_difference([ref, [("fc.weight", (4, 2), "float64"), ref[1]]])
+    assert "is float64 on rank 1" in first_difference([ref, [("fc.weight", (4, 2), "float64"), ref[1]]])
 
 
 def test_calling_before_init_says_so():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._mpi import MPI
+from ..dtypes import mpi_type
 
 from ..handle import Handle
 from .context import GpuContext
@@ -60,7 +61,6 @@ def cuda_aware(comm, ctx: GpuContext, name: str, args: tuple, kwargs: dict) -> A
 
 def _p2p_device(comm, name, args, kwargs):
     """Point-to-point on device buffers: MPI gets the pointers, no host copy."""
-    from ..dtypes import mpi_type
     if name in ("send", "isend"):
         x, dest = args[0], args[1]
         tag = args[2] if len(args) > 2 else kwargs.get("tag", 0)

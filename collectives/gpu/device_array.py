@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes as _dt
+from ..array_kinds import DEVICE, classify, numpy_to_torch
 from ..errors import DeviceError, NotContiguousError, UnsupportedDtypeError
 from ..handle import Handle
 from .discovery import cupy_cuda
@@ -78,7 +79,6 @@ def _torch_dtype(tdtype: Any, op: str, rank: int) -> np.dtype:
 
 
 def is_device(v: Any) -> bool:
-    from ..array_kinds import DEVICE, classify
     return classify(v) == DEVICE
 
 
@@ -125,7 +125,6 @@ def to_device(d: DeviceArray, host: np.ndarray) -> None:
     if d.nbytes == 0:
         return
     if d.lib == "torch":
-        from ..array_kinds import numpy_to_torch
         d.obj.copy_(numpy_to_torch(host).reshape(d.shape))
     else:
         import cupy

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from ..array_kinds import torch_to_numpy
 from .context import GpuContext
 from .device_array import DeviceArray, cai_copy, empty_like, finish, is_device, to_device, view
 
@@ -26,7 +27,6 @@ def staged(comm, ctx: GpuContext, name: str, args: tuple, kwargs: dict) -> Any:
             tv = buf[:d.nbytes].view(v.dtype).view(d.shape) if d.nbytes else \
                 torch.empty(d.shape, dtype=v.dtype, pin_memory=True)
             tv.copy_(v)  # ordered after queued work on the current stream; blocking
-            from ..array_kinds import torch_to_numpy
             host = torch_to_numpy(tv, name, comm.rank)
         else:
             host = np.asarray(buf[:d.nbytes]).view(d.dtype).reshape(d.shape)

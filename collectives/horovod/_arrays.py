@@ -44,7 +44,7 @@ def np_allreduce(comm: Any, x: np.ndarray, op: str, prescale: float = 1.0,
     if _is_bf16(x):
         # Reduced in float32 and rounded once: the runtime cannot hand ml_dtypes'
         # bfloat16 arrays to MPI (mpi4py refuses their buffer format).
-        from ..dtypes import from_float64, to_float64
+        from ..dtypes import from_float64, to_float64  # lazy: initialises MPI; hvd.init() does, not the import
         y = np_allreduce(comm, to_float64(x).astype(np.float32), op, prescale, postscale,
                          inplace=True)
         y = from_float64(y.astype(np.float64), x.dtype)
@@ -66,7 +66,7 @@ def np_allreduce(comm: Any, x: np.ndarray, op: str, prescale: float = 1.0,
 
 
 def _is_bf16(x: np.ndarray) -> bool:
-    from ..dtypes import BFLOAT16
+    from ..dtypes import BFLOAT16  # lazy: initialises MPI; hvd.init() does, not the import
     return x.dtype == BFLOAT16
 
 
@@ -114,7 +114,7 @@ def np_alltoall(comm: Any, x: np.ndarray, splits: np.ndarray | None) -> tuple[np
     received = comm.alltoall(splits.copy())
     per_row = int(np.prod(x.shape[1:])) if x.ndim > 1 else 1
     out = np.empty((int(received.sum()),) + x.shape[1:], dtype=x.dtype)
-    from .. import dtypes as _dt
+    from .. import dtypes as _dt  # lazy: initialises MPI; hvd.init() does, not the import
     t = _dt.mpi_type(x.dtype)
     send_counts = (splits * per_row).tolist()
     recv_counts = (received * per_row).tolist()

@@ -92,7 +92,7 @@ class ProcessSet:
     def __init__(self, ranks_or_comm: Any):
         if hasattr(ranks_or_comm, "Get_group") or hasattr(ranks_or_comm, "mpi"):
             mpi = getattr(ranks_or_comm, "mpi", ranks_or_comm)
-            from .._mpi import MPI
+            from .._mpi import MPI  # lazy: initialises MPI; hvd.init() does, not the import
             ranks_or_comm = MPI.Group.Translate_ranks(
                 mpi.Get_group(), list(range(mpi.Get_size())), MPI.COMM_WORLD.Get_group())
         self.ranks = sorted({int(r) for r in ranks_or_comm})
@@ -169,9 +169,9 @@ def init(comm: Any = None, lock: Any = None, process_sets: Sequence | None = Non
     with _INIT_LOCK:
         if _JOB is None:
             if comm is None:  # a communicator of its own: its thread never meets the user's calls
-                from .. import comm as _comm
+                from .. import comm as _comm  # lazy: initialises MPI; hvd.init() does, not the import
                 comm = _comm.init().split(0)
-            from .._mpi import MPI
+            from .._mpi import MPI  # lazy: initialises MPI; hvd.init() does, not the import
             threaded = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
             j = Job(comm, comm.rank, comm.size, comm.local_rank, comm.local_size,
                     comm.node, comm.nnodes, threaded=threaded, lock=None if threaded else lock)
@@ -295,7 +295,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 
 def mpi_threads_supported() -> bool:
-    from .._mpi import MPI
+    from .._mpi import MPI  # lazy: initialises MPI; hvd.init() does, not the import
     return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
 
 

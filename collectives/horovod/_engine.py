@@ -352,7 +352,7 @@ class Engine:
         """Every rank's table, in set order (None: this rank stops meanwhile). One
         allgather of a fixed slot per rank carries a table that fits (the usual case); when
         any rank's does not, a second, variable-sized allgather carries them all."""
-        from .._mpi import MPI
+        from .._mpi import MPI  # lazy: initialises MPI; hvd.init() does, not the import
         data = pickle.dumps(mine, pickle.HIGHEST_PROTOCOL)
         n = self.neg.Get_size()
         slot = np.zeros(SLOT, np.uint8)
@@ -508,7 +508,7 @@ def _nbytes(shapes: tuple, dtypes: tuple) -> int:
 
 def stand_in(comm: Any, shapes: tuple, dtypes: tuple, op: str) -> None:
     """A joined rank's part in another rank's allreduce: the op's neutral value."""
-    from ..dtypes import BFLOAT16
+    from ..dtypes import BFLOAT16  # lazy: initialises MPI; hvd.init() does, not the import
     for shape, dt in zip(shapes, dtypes):
         dtype = BFLOAT16 if dt == "bfloat16" else np.dtype(dt)
         if _is_bf16(np.zeros(0, dtype)):

@@ -24,8 +24,10 @@ from ..tensorflow import (Average, Compression, HorovodInternalError,  # noqa: F
                           mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
                           remove_process_set, rocm_built, shutdown, size, start_timeline,
                           stop_timeline)
+from ..tensorflow import tf1 as _tf1
 from ..tensorflow.training import local_layer_weights, reduction
 from . import callbacks  # noqa: F401
+from . import saving as _saving
 from .optimizer import wrap
 
 
@@ -69,8 +71,7 @@ def broadcast_global_variables(root_rank: int):
     collector and matched by name). In a TensorFlow 1 graph: the graph's global
     variables, run in Keras's session."""
     if not tf.executing_eagerly():
-        from ..tensorflow.tf1 import broadcast_global_variables as in_graph
-        return tf.compat.v1.keras.backend.get_session().run(in_graph(root_rank))
+        return tf.compat.v1.keras.backend.get_session().run(_tf1.broadcast_global_variables(root_rank))
     broadcast_variables(_live_keras_variables(), root_rank)
 
 
@@ -138,14 +139,13 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     """``tf.keras.models.load_model``, with the saved optimizer wrapped in a
     ``DistributedOptimizer`` (every optimizer class of ``tf.keras.optimizers``, and
     ``custom_optimizers``)."""
-    from .saving import load_model as _load
-    return _load(DistributedOptimizer, filepath, custom_optimizers, custom_objects,
-                 compression, legacy_opts)
+    return _saving.load_model(DistributedOptimizer, filepath, custom_optimizers, custom_objects,
+                              compression, legacy_opts)
 
 
 def __getattr__(name: str):
     if name == "SyncBatchNormalization":
-        from ..tensorflow.sync_batch_norm import SyncBatchNormalization
+        from ..tensorflow.sync_batch_norm import SyncBatchNormalization  # lazy: imports keras, few scripts use it
         return SyncBatchNormalization
     if name in _core.UNSUPPORTED:
         raise _core.unsupported(name)

@@ -203,7 +203,7 @@ def __dir__():
 
 def __getattr__(name: str):
     if name == "SyncBatchNormalization":
-        from .sync_batch_norm import SyncBatchNormalization
+        from .sync_batch_norm import SyncBatchNormalization  # lazy: imports keras, few scripts use it
         globals()[name] = SyncBatchNormalization
         return SyncBatchNormalization
     if name in _core.UNSUPPORTED:

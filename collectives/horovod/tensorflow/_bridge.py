@@ -81,7 +81,7 @@ def execute(kind: str, fn: Fn, arrays: list[np.ndarray], name: str | None, proce
             op: str = "", root: int = -1, check: Fn | None = None) -> list[np.ndarray]:
     """Run ``fn`` as the collective ``kind`` named ``name`` (None: the next unnamed name)
     on every rank of ``process_set``; ``check(scope, *arrays)`` first (local errors)."""
-    from ...dtypes import dtype_name
+    from ...dtypes import dtype_name  # lazy: initialises MPI; hvd.init() does, not the import
     sc = scope(process_set, kind)
     if check is not None:
         check(sc, *arrays)

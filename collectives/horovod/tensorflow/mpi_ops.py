@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import _core
+from .._adasum import adasum_allreduce
 from .._core import Adasum, Average, Sum, global_process_set, np_allgather, split_rows
 from . import _bridge, _errors
 
@@ -30,7 +31,6 @@ def _scale16(a: np.ndarray, factor: float) -> np.ndarray:
 def np_allreduce(comm, a: np.ndarray, op: str, pre: float, post: float) -> np.ndarray:
     """Horovod's allreduce of ``a`` over ``comm`` (see the module docstring)."""
     if op == Adasum:
-        from .._adasum import adasum_allreduce
         y = a if pre == 1.0 else a * a.dtype.type(pre)
         y = adasum_allreduce(comm, np.ascontiguousarray(y), check=False)
         return y if post == 1.0 else y * y.dtype.type(post)

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from ... import dp as _dp
+from ..._mpi import MPI as _MPI
 from .. import _core
 from .._core import *  # noqa: F401,F403 (the framework-neutral API: _core.__all__)
 from .._core import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,  # noqa: F401
@@ -61,15 +63,13 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     if _core.is_initialized():
         _core.init(process_sets=process_sets)
         return
-    import dtrun.collectives.dp as dp
-    from ..._mpi import MPI
-    ctx = dp.init(comm)
+    ctx = _dp.init(comm)
     # The hvd collectives run on their own duplicate of the world, so that an
     # hvd.allreduce issued while DistributedOptimizer's background thread reduces a
     # bucket can never be matched with that bucket on another rank. Without
     # MPI_THREAD_MULTIPLE they share collectives.dp's lock.
-    multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
-    _core.init(ctx.comm.split(0), lock=None if multiple else dp._LOCK,
+    multiple = _MPI.Query_thread() >= _MPI.THREAD_MULTIPLE
+    _core.init(ctx.comm.split(0), lock=None if multiple else _dp.LOCK,
                process_sets=process_sets)
 
 

@@ -15,7 +15,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .. import _core
+from ...array_kinds import numpy_to_torch, torch_to_numpy
+from ...dtypes import BFLOAT16, dtype_name, from_float64, to_float64
+from .. import _adasum, _core
 from .._core import Adasum, Average, Sum
 
 # Scaling as Horovod's CPU kernels do it (``ScaleBuffer``): integers in float64 then
@@ -57,7 +59,6 @@ def to_np(t: Any, where: str, sc: Any) -> Any:
     non-contiguous tensors copied. What is not a tensor becomes a ``NotATensor``."""
     if not isinstance(t, torch.Tensor):
         return NotATensor(t)
-    from ...array_kinds import torch_to_numpy
     src = t.detach()
     if src.device.type != "cpu":
         src = src.cpu()
@@ -72,7 +73,6 @@ def shares_memory(t: torch.Tensor) -> bool:
 
 
 def to_tensor(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    from ...array_kinds import numpy_to_torch
     t = numpy_to_torch(np.ascontiguousarray(a))
     return t.to(like.device) if like.device.type != "cpu" else t
 
@@ -87,7 +87,6 @@ def write_back(tensor: torch.Tensor, y: np.ndarray, is_view: bool) -> torch.Tens
 
 
 def signature(arrays: list) -> tuple[tuple, tuple]:
-    from ...dtypes import dtype_name
     return tuple(tuple(a.shape) for a in arrays), tuple(
         a.dtype if isinstance(a, NotATensor) else dtype_name(a.dtype) for a in arrays)
 
@@ -169,7 +168,6 @@ def synchronize(handle: Any) -> Any:
 # ----------------------------------------------------------------------------- arithmetic
 def scaled(x: np.ndarray, factor: float) -> np.ndarray:
     """``factor * x`` as Horovod's CPU ``ScaleBuffer`` computes it (a new array)."""
-    from ...dtypes import BFLOAT16, from_float64, to_float64
     if x.dtype == BFLOAT16:
         y = to_float64(x).astype(np.float32) * np.float32(factor)
         return from_float64(y.astype(np.float64), x.dtype)
@@ -188,7 +186,6 @@ def reduce_np(comm: Any, x: np.ndarray, op: str, pre: float, post: float,
     if pre != 1.0:
         y[...] = scaled(y, pre)
     if op == Adasum:
-        from .. import _adasum
         y[...] = _adasum.adasum_allreduce(comm, y, check=False)
     elif op == Average and y.dtype.kind in "iub":
         _core.np_allreduce(comm, y, Sum, inplace=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import dp
 from ..compression import FP16Compressor as _FP16Base
 from ..compression import NoneCompressor
 
@@ -25,7 +26,6 @@ class Compression:
     @staticmethod
     def to_dp(compression) -> str:
         """dtrun.collectives.dp's name for a Horovod compressor."""
-        import dtrun.collectives.dp as dp
         if compression in (NoneCompressor, None) or isinstance(compression, NoneCompressor):
             return dp.Compression.none
         if compression is FP16Compressor or isinstance(compression, FP16Compressor):

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ...checkpoint import to_cpu
 from .. import _core
 from .._core import global_process_set
 from . import _base, gather
@@ -68,7 +69,6 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         _create_state(optimizer, model)
         if len(optimizer.state_dict()["state"]) == 0:
             return
-    from ...checkpoint import to_cpu
     j = _core.job("broadcast_optimizer_state")
     mine = to_cpu(optimizer.state_dict()) if j.rank == int(root_rank) else None
     state = _core.broadcast_object(mine, root_rank, "broadcast_optimizer_state")

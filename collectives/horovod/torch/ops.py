@@ -15,9 +15,10 @@ import torch
 
 from ...dtypes import BFLOAT16
 
-from .. import _core
+from .. import _adasum, _core
 from .._core import Adasum, Average, Max, Min, Product, Sum, global_process_set
 from . import _base
+from .gather import allgather_async
 from ._base import check_adasum, reduce_np, reducescatter_np, scope, shares_memory, submit, \
     to_np, to_tensor, write_back
 
@@ -82,7 +83,6 @@ def grouped_reduce_np(comm: Any, ys: list, op: str, pre: float, post: float,
     """Horovod's grouped allreduce of ``ys``, in place: fused into few buffers where no
     scaling or rounding is involved and ``fuse`` (no rank has joined)."""
     if op == Adasum:
-        from .. import _adasum
         if pre != 1.0:
             for y in ys:
                 y[...] = _base.scaled(y, pre)
@@ -224,7 +224,6 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
     rank's indices and of its values (duplicates are summed when the result is
     coalesced; an average divides the values by the set's size). Returns a handle to
     call, or to pass to ``synchronize``, for the sparse result."""
-    from .gather import allgather_async
     op = _core.check_op(op, "sparse_allreduce_async", (Average, Sum))
     sc = scope(process_set, "sparse_allreduce_async")
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:

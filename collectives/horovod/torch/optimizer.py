@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ... import dp
 from .. import _core
 from .._core import Adasum, Average, Sum, global_process_set
 from . import _base, ops
@@ -82,7 +83,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
 
 def _over_every_rank(optimizer, named_parameters, compression, k, op, f, sparse_as_dense):
     """``collectives.dp``'s optimizer with Horovod's arguments."""
-    import dtrun.collectives.dp as dp
     extra = {}
     fusion = os.environ.get("HOROVOD_FUSION_THRESHOLD", "").strip()
     if fusion:  # Horovod's fusion buffer size: here, the bytes per gradient bucket

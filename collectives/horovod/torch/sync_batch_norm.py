@@ -12,9 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .._core import Sum, size
+from .grads import allreduce
+
 
 def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
-    from . import Sum, allreduce
     return allreduce(t, op=Sum)
 
 
@@ -74,7 +76,6 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
-        from . import size
         if self.training and self.track_running_stats:
             self.num_batches_tracked.add_(1)
         momentum = self.momentum

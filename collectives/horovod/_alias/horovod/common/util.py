@@ -35,7 +35,7 @@ def is_version_greater_equal_than(ver: str, target: str) -> bool:
 
 
 def _core():
-    from dtrun.collectives.horovod import _core
+    from dtrun.collectives.horovod import _core  # lazy: this stand-in loads no runtime until asked
 
     return _core
 
