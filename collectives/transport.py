@@ -104,7 +104,7 @@ def select_paths(c: Any, use_shm: bool, shm_threshold: int | None,
                  shm_chunk: int | None, path: str | None) -> _tuning.Table:
     """The allreduce path table (collective when it measures): see tuning.py."""
     tune = os.environ.get("DTRUN_TUNE", "1").strip().lower() or "1"
-    if tune not in ("0", "1", "refresh"):  # the same on every rank: dtrun forwards the environment
+    if tune not in ("0", "1", "refresh"):  # the same on every rank (set with -x on a multi-host job)
         raise ValueError(f"DTRUN_TUNE={tune!r}: use 1 (measure, cached), 0 (the fixed rule) or refresh")
     _tuning.max_load()  # checked on every rank here: only rank 0 reads it, and must not fail alone
     cands = _tuning.candidates(c._shm is not None, c.nnodes, c._uniform_nodes,

@@ -30,7 +30,7 @@ version; rank 0 reads it and broadcasts it, so a later job on the same hosts pay
 file read. A cache entry that does not parse or does not fit is discarded and measured
 again. Calibration takes 0.3-1 s on an idle 2-core host (more when it is busy).
 
-Overrides, strongest first (same on every rank, as dtrun forwards the environment):
+Overrides, strongest first (the same on every rank: set them with `-x NAME=VALUE`; on one host the ranks also inherit dtrun's environment):
 ``DTRUN_SHM=0`` (no shared-memory candidates), ``DTRUN_ALLREDUCE_PATH=<path>`` (that
 path at every size), an explicit ``shm_threshold``/``shm_chunk`` or
 ``DTRUN_SHM_THRESHOLD``/``DTRUN_SHM_CHUNK`` (the fixed rule: shm at or above the
