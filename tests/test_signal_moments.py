@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dtrun_helpers import DTRUN, REPO, finish, processes_with, user_env, wait_until_empty
+from tests.dtrun_helpers import DTRUN, PYTHON, REPO, finish, processes_with, user_env, wait_until_empty
 
 pytestmark = pytest.mark.mpi
 
@@ -154,3 +154,43 @@ def test_a_signal_as_mpirun_starts_leaves_nothing_on_any_host(cluster3, tmp_path
     assert f"stopped by {signal.Signals(sig).name}" in err and "Traceback" not in err, err
     assert left == [], described(left)
     assert records == []
+
+
+LOST_STOP = r"""
+import os, signal, sys, time, weakref
+from dtrun.launcher.job import stopsignals
+stopsignals.install()
+sig = int(sys.argv[1])
+
+class A:
+    pass
+
+def callback(_):  # code whose exceptions Python ignores, like the import system's module-lock callbacks
+    os.kill(os.getpid(), sig)
+    for _ in range(10000):
+        pass  # the handler runs in here: its Stopped is "ignored"
+
+try:
+    a = A()
+    ref = weakref.ref(a, callback)
+    del a
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # ordinary code: where the stop must land
+        time.sleep(0.01)
+    print("went on")
+except stopsignals.Stopped as exc:
+    print("stopped", exc.signum)
+    sys.exit(stopsignals.exit_code(exc.signum))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGQUIT], ids=["SIGTERM", "SIGINT", "SIGQUIT"])
+def test_a_stop_signal_inside_code_whose_exceptions_python_ignores_still_stops(tmp_path, sig):
+    """CI met it: SIGINT 40 ms after dtrun started arrived while the import system ran a
+    weakref callback; Python printed "Exception ignored" and dtrun launched the job anyway."""
+    script = tmp_path / "lost.py"
+    script.write_text(LOST_STOP)
+    p = subprocess.run([PYTHON, str(script), str(int(sig))], capture_output=True,
+                       text=True, timeout=60, env=user_env())
+    assert (p.returncode, p.stdout) == (128 + sig, f"stopped {int(sig)}\n"), p.stderr
+    assert "Exception ignored" not in p.stderr

@@ -7,7 +7,11 @@ dtrun installs one handler for every catchable terminating signal as its very fi
 on the moment it arrives:
 
 * **before a job starts** (argument parsing, the preflight over ssh): ``Stopped`` is raised
-  where the main thread is, and the work unwinds (``subprocess.run`` ends its child);
+  where the main thread is, and the work unwinds (``subprocess.run`` ends its child). Where
+  the main thread is in code whose exceptions Python ignores (a weakref callback or
+  ``__del__``: the import system runs one for every module lock it drops), the ``Stopped``
+  would be lost: ``sys.unraisablehook`` catches it and a timer (SIGALRM, a few ms later)
+  raises it again, once the main thread is back in ordinary code;
 * **while held** (``held()``: from just before mpirun is started until a supervisor follows
   it, and while an attempt's leftovers are cleaned up): the signal is only recorded. On
   ``attach`` the supervisor receives every signal recorded so far, so there is no moment
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 # (no typing import: annotations stay strings, and this module must load in no time)
 
 __all__ = ["STOP_SIGNALS", "Stopped", "attach", "attached", "detach", "exit_code", "held", "install", "installed",
@@ -51,13 +56,26 @@ class _Gate:
         self.target: Optional[Callable[[int], bool]] = None
         self.holds = 0
         self.previous: dict = {}
+        self.unraisable = None  # the sys.unraisablehook that install() replaced
+        self.lost: Optional[int] = None  # a stop whose Stopped Python ignored, until it is raised again
+        self.in_hook = False
 
 
 _gate = _Gate()
 
 
+# How long after a lost Stopped the timer raises it again: the main thread has left the
+# callback that ignored it by then (and if not, it is caught and sent again).
+RESEND_S = 0.005
+
+
 def _handler(signum: int, _frame) -> None:
     g = _gate
+    if g.lost is not None:
+        if g.in_hook:
+            signal.setitimer(signal.ITIMER_REAL, RESEND_S)  # not inside the hook: Python would ignore it
+            return
+        signum, g.lost = g.lost, None  # the timer, or any stop signal: the lost stop comes first
     if g.target is not None:
         if not g.target(signum):
             g.stops.append(signum)
@@ -69,6 +87,23 @@ def _handler(signum: int, _frame) -> None:
         return  # already stopping: Ctrl-\ after Ctrl-C adds nothing
     g.stops.append(signum)
     raise Stopped(signum)
+
+
+def _unraisable(args) -> None:
+    """``sys.unraisablehook``: a ``Stopped`` that Python ignored (the handler ran inside a weakref
+    callback or ``__del__``) is not acted on; the timer raises it again. Others go on to the hook
+    this one replaced."""
+    g = _gate
+    if not isinstance(args.exc_value, Stopped):
+        (g.unraisable or sys.__unraisablehook__)(args)
+        return
+    g.in_hook = True
+    signum = args.exc_value.signum
+    if g.stops and g.stops[-1] == signum:
+        g.stops.pop()  # not acted on (else SIGQUIT raised again would count as a second one)
+    g.lost = signum
+    signal.setitimer(signal.ITIMER_REAL, RESEND_S)
+    g.in_hook = False
 
 
 def install() -> None:
@@ -83,6 +118,8 @@ def install() -> None:
         except (OSError, ValueError):  # not the main thread (a library caller): nothing to install
             pass
     _gate.installed = bool(_gate.previous)
+    if _gate.installed and signal.SIGALRM in _gate.previous:
+        _gate.unraisable, sys.unraisablehook = sys.unraisablehook, _unraisable
 
 
 def installed() -> bool:
@@ -95,6 +132,8 @@ def uninstall() -> None:
         with contextlib.suppress(OSError, ValueError):
             signal.signal(s, h)
     _gate.previous.clear()
+    if sys.unraisablehook is _unraisable:
+        sys.unraisablehook = _gate.unraisable or sys.__unraisablehook__
     _gate.installed = False
 
 
