@@ -5,6 +5,7 @@ end dtrun the same documented way as one a minute later (launcher.job.stopsignal
 """
 from __future__ import annotations
 
+import signal
 import sys
 
 from dtrun.launcher.job import stopsignals
@@ -14,6 +15,7 @@ def main() -> None:
     stopsignals.install()
     try:
         from dtrun.launcher.cli import main as cli_main  # lazy: signals are caught before typer is imported
-    except stopsignals.Stopped as exc:
+    except stopsignals.Stopped as exc:  # the same line as a stop a moment later (cli.main)
+        print(f"dtrun: stopped by {signal.Signals(exc.signum).name}", file=sys.stderr)
         sys.exit(stopsignals.exit_code(exc.signum))
     cli_main()

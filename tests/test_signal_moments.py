@@ -106,12 +106,13 @@ def test_a_signal_at_any_moment_stops_everything_with_the_documented_code(tmp_pa
     name = signal.Signals(sig).name
     # Before dtrun's first line runs (the interpreter still starting: site, .pth files), the
     # signal's own action ends it, and for SIGINT Python prints its KeyboardInterrupt: a shell
-    # reports that as 128 + n too, and nothing has been started yet (checked below).
-    died_early = moment == "dtrun" and rc == -int(sig)
+    # reports that as 128 + n too, and nothing has been started yet (checked below). SIGINT
+    # while the site module imports (a slow start on a busy machine) is Python's fatal error, exit 1.
+    died_early = moment == "dtrun" and (rc == -int(sig) or (
+        sig == signal.SIGINT and rc == 1 and "Fatal Python error: init_import_site" in err))
     assert rc == 128 + int(sig) or died_early, f"exit {rc}, expected {128 + int(sig)}: {err}"
-    if not died_early:
+    if not died_early:  # dtrun's handler took it, at whatever moment: it says so
         assert "Traceback" not in err, err
-    if moment != "dtrun" or delay_ms > 100:
         assert f"stopped by {name}" in err, err
     assert left == [], f"left running after dtrun exited: {[p.info['cmdline'] for p in left]}\n{err}"
     assert records == [], f"stale job records: {records}"
