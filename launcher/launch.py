@@ -146,8 +146,8 @@ def wants_local_inference(opts: LaunchOptions, flavor: Flavor, selection: HostSe
     return "/" not in named
 
 
-def _user_sets_nccl_ifname(opts: LaunchOptions, environ: Mapping[str, str]) -> bool:
-    return "NCCL_SOCKET_IFNAME" in environ or any(e.split("=", 1)[0] == "NCCL_SOCKET_IFNAME" for e in opts.env)
+def _user_sets_nccl_ifname(usage: Usage, environ: Mapping[str, str]) -> bool:
+    return "NCCL_SOCKET_IFNAME" in environ or any(name == "NCCL_SOCKET_IFNAME" for name, _ in usage.env)
 
 
 def _interfaces(opts: LaunchOptions, usage: Usage, flavor: Flavor, environ: Mapping[str, str], local_only: bool,
@@ -156,7 +156,7 @@ def _interfaces(opts: LaunchOptions, usage: Usage, flavor: Flavor, environ: Mapp
     the preflight's choice, else the subnet inferred on this machine, else dtrun's default exclusions."""
     nccl = None
     if choice is not None and choice.include and choice.nccl and not opts.exclude_iface \
-            and not _user_sets_nccl_ifname(opts, environ) and (opts.include_iface or choice.include) == choice.include:
+            and not _user_sets_nccl_ifname(usage, environ) and (opts.include_iface or choice.include) == choice.include:
         nccl = choice.nccl
     if usage.include_iface:
         return usage.include_iface, cmd.DEFAULT_EXCLUDE, "--include-iface", nccl
