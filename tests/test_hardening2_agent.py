@@ -159,6 +159,7 @@ HOSTILE = r"""
 import json, os, signal, socket, subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
 from dtrun.launcher.remote.procfs import proc_start
+from tests.dtrun_helpers import started
 
 base, agent = sys.argv[2], sys.argv[3]
 host = socket.gethostname()
@@ -170,12 +171,7 @@ def sleeper(job_dir=None, argv=("sleep", "300")):
     env.pop("DTRUN_JOB_DIR", None)
     if job_dir:
         env["DTRUN_JOB_DIR"] = job_dir
-    proc = subprocess.Popen(list(argv), env=env)
-    # Popen returns before exec has set up the new environment (/proc/PID/environ reads empty
-    # until then): the agent would rightly refuse a rank it cannot prove is the job's.
-    while not open(f"/proc/{proc.pid}/environ", "rb").read(1):
-        time.sleep(0.01)
-    return proc
+    return started(list(argv), env=env)  # exec done: the agent reads DTRUN_JOB_DIR in its environment
 
 
 def rank_file(job_dir, rank, **fields):
