@@ -6,11 +6,13 @@ that make a host go silent; nothing is mocked.
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import psutil
 import pytest
 
+from dtrun.launcher.job.markers import parse_marker
 from tests import nscluster
 from tests.dtrun_helpers import (DTRUN, PYTHON, REPO, dtrun, finish, module_cluster, user_env, wait_until_empty,
                                  processes_with)
@@ -66,6 +68,38 @@ def test_rank_wrapper_keeps_every_descriptor_the_launcher_hands_the_rank():
             os.close(w)
     assert p.returncode == 0, p.stderr
     assert "dtrun-rank-start: rank=0" in p.stderr
+
+
+def test_rank_wrapper_does_not_blame_a_kill_9_on_the_tear_down_that_followed_it():
+    """A rank killed from outside (kill -9, the OOM killer) makes its peers fail at once, and the
+    launcher's tear-down reaches this rank's wrapper before it has written its marker: the marker
+    must still say the kill came from elsewhere (forwarded=0), or dtrun names a peer's error as the
+    job's cause. The program writes 60 MB, so the wrapper lingers before its markers (the window)."""
+    prog = ("import os, signal, sys\nsys.stderr.write(f'child {os.getpid()}\\n'); sys.stderr.flush()\n"
+            "sys.stdout.buffer.write(b'x' * (60 << 20)); sys.stdout.flush()\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    p = subprocess.Popen([PYTHON, "-S", str(REPO / "launcher" / "remote" / "rankexec.py"), "--", PYTHON, "-c", prog],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=user_env(DTRUN_RANK="2"))
+    try:
+        drained = threading.Thread(target=p.stdout.read, daemon=True)
+        drained.start()
+        line = b""
+        while not line.startswith(b"child "):
+            line = p.stderr.readline()
+            assert line, "the program never started"
+        child = int(line.split()[1])
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:  # until the wrapper reaped it
+            time.sleep(0.01)
+        assert not os.path.exists(f"/proc/{child}")
+        p.send_signal(signal.SIGTERM)  # the tear-down, after the kill
+        err = p.stderr.read().decode()
+        assert p.wait(30) == 137, err
+    finally:
+        p.kill()
+        p.wait()
+    marker = parse_marker(err)
+    assert marker is not None and marker.signum == signal.SIGKILL, err
+    assert marker.forwarded is False and not marker.torn_down, err
 
 
 # ---- signals on this host ----------------------------------------------------------------------

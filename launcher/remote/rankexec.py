@@ -290,6 +290,10 @@ def _supervise(child, env):
     forwarded = []
 
     def forward(signum, _frame):
+        if _ended(child.pid):
+            # The program had already ended (a kill -9 of its own, the OOM killer): a signal of
+            # the tear-down that followed did not stop it, so the marker must not say it did.
+            return
         forwarded.append(signum)
         try:
             child.send_signal(signum)
@@ -326,6 +330,14 @@ def _supervise(child, env):
     written = _bytes_written(child.pid)
     rc = child.wait()
     return rc, (ended_at[0] if ended_at else time.time()), forwarded, written
+
+
+def _ended(pid):
+    """Whether the program has ended (exited or killed; reaped or not yet)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
 
 
 def _report_end(rc, t_end, forwarded, written, logged, token, rank, host):
