@@ -70,13 +70,19 @@ def test_rank_wrapper_keeps_every_descriptor_the_launcher_hands_the_rank():
     assert "dtrun-rank-start: rank=0" in p.stderr
 
 
-def test_rank_wrapper_does_not_blame_a_kill_9_on_the_tear_down_that_followed_it():
+@pytest.mark.parametrize("death, teardown", [(signal.SIGKILL, False), (signal.SIGTERM, True)],
+                         ids=["kill-9-then-teardown", "group-sigterm"])
+def test_rank_wrapper_tells_a_kill_from_elsewhere_from_the_launchers_tear_down(death, teardown):
     """A rank killed from outside (kill -9, the OOM killer) makes its peers fail at once, and the
-    launcher's tear-down reaches this rank's wrapper before it has written its marker: the marker
-    must still say the kill came from elsewhere (forwarded=0), or dtrun names a peer's error as the
-    job's cause. The program writes 60 MB, so the wrapper lingers before its markers (the window)."""
+    launcher's tear-down SIGTERM can reach this rank's wrapper before it has written its marker:
+    the marker must still say the kill came from elsewhere (forwarded=0), or dtrun names a peer's
+    error as the job's cause. A launcher that signals the whole process group (Open MPI 4,
+    srun) reaches the program first with the same signal the wrapper then gets: that is the
+    tear-down (forwarded=1). The program writes 60 MB, so the wrapper lingers before its
+    markers (the window)."""
     prog = ("import os, signal, sys\nsys.stderr.write(f'child {os.getpid()}\\n'); sys.stderr.flush()\n"
-            "sys.stdout.buffer.write(b'x' * (60 << 20)); sys.stdout.flush()\nos.kill(os.getpid(), signal.SIGKILL)\n")
+            "sys.stdout.buffer.write(b'x' * (60 << 20)); sys.stdout.flush()\n"
+            f"os.kill(os.getpid(), {int(death)})\n")
     p = subprocess.Popen([PYTHON, "-S", str(REPO / "launcher" / "remote" / "rankexec.py"), "--", PYTHON, "-c", prog],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=user_env(DTRUN_RANK="2"))
     try:
@@ -93,13 +99,13 @@ def test_rank_wrapper_does_not_blame_a_kill_9_on_the_tear_down_that_followed_it(
         assert not os.path.exists(f"/proc/{child}")
         p.send_signal(signal.SIGTERM)  # the tear-down, after the kill
         err = p.stderr.read().decode()
-        assert p.wait(30) == 137, err
+        assert p.wait(30) == 128 + death, err
     finally:
         p.kill()
         p.wait()
     marker = parse_marker(err)
-    assert marker is not None and marker.signum == signal.SIGKILL, err
-    assert marker.forwarded is False and not marker.torn_down, err
+    assert marker is not None and marker.signum == death, err
+    assert marker.forwarded is teardown and marker.torn_down is teardown, err
 
 
 # ---- signals on this host ----------------------------------------------------------------------

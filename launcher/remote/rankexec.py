@@ -290,9 +290,12 @@ def _supervise(child, env):
     forwarded = []
 
     def forward(signum, _frame):
-        if _ended(child.pid):
-            # The program had already ended (a kill -9 of its own, the OOM killer): a signal of
-            # the tear-down that followed did not stop it, so the marker must not say it did.
+        ended_by = _end_signal(child)
+        if ended_by is not None and ended_by != signum:
+            # The program had already ended (kill -9 from elsewhere, the OOM killer): the
+            # tear-down's signal that came after did not stop it, so the marker must not say it
+            # did. The same signal as the one that ended it is the launcher's, sent to the whole
+            # process group (srun's slurmstepd, Open MPI 4), which reached the program first.
             return
         forwarded.append(signum)
         try:
@@ -332,12 +335,18 @@ def _supervise(child, env):
     return rc, (ended_at[0] if ended_at else time.time()), forwarded, written
 
 
-def _ended(pid):
-    """Whether the program has ended (exited or killed; reaped or not yet)."""
+def _end_signal(child):
+    """None while the program runs; once it has ended (reaped or not yet), the signal that
+    ended it, or 0 when it exited."""
+    if child.returncode is not None:
+        return max(-child.returncode, 0)
     try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        info = os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
-        return True
+        return 0
+    if info is None:
+        return None
+    return info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else 0
 
 
 def _report_end(rc, t_end, forwarded, written, logged, token, rank, host):
