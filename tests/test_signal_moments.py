@@ -67,6 +67,14 @@ def _job_records(pid: int) -> list:
     return [p.name for p in d.iterdir() if f"-{pid}" in p.name] if d.is_dir() else []
 
 
+def _as_a_terminals_job() -> None:
+    """SIGINT and SIGQUIT as a terminal's job has them. A suite run in the background of a shell
+    without job control (``make test &`` in a script) inherits both ignored, and a signal that
+    came before dtrun had its handlers in would then be ignored, as the caller asked."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 def _run_and_signal(tmp_path, sig, moment, delay_ms, extra=("-np", "2"), env_extra=None, leftovers=None):
     """Start dtrun on the sleeper job, send ``sig`` at ``moment`` + ``delay_ms``; returns dtrun's
     exit code and stderr, what is left of the job (``leftovers(token)``, by default every process
@@ -76,7 +84,8 @@ def _run_and_signal(tmp_path, sig, moment, delay_ms, extra=("-np", "2"), env_ext
     script.write_text(SLEEPER)
     env = user_env(**(env_extra or {}))
     proc = subprocess.Popen([DTRUN, *extra, "python", str(script)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, stdin=subprocess.DEVNULL)
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, stdin=subprocess.DEVNULL,
+                            preexec_fn=_as_a_terminals_job)
     try:
         if moment == "dtrun":
             _spin(delay_ms / 1000)
