@@ -77,6 +77,7 @@ bench: setup
 	else echo "bench_ddp: PyTorch is not installed; skipped"; fi
 	@if $(BIN)/python -c 'import torch, tensorflow' 2>/dev/null; then $(BIN)/python benchmarks/bench_horovod.py; else echo "bench_horovod: PyTorch or TensorFlow is not installed; skipped"; fi
 	$(BIN)/python benchmarks/bench_dp_hosts.py
+	$(BIN)/python benchmarks/bench_dp_hosts.py --rate 200mbit --layouts 2x1,3x1 --rounds 4 --steps 5
 
 # 65-host figures: cluster up/down, launch against bare mpirun (Open MPI 5 and 4.1), doctor and
 # the preflight at 1/4/16/64 hosts against parallel ssh, the links stage. Needs root.

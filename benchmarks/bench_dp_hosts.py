@@ -4,7 +4,8 @@ link's bound.
 Needs root: ``tests.nscluster`` builds namespace hosts on this machine, and every host's
 ``eth0`` is shaped with ``tc qdisc replace dev eth0 root tbf rate RATE burst 256kbit
 latency 50ms`` (what leaves each host goes at RATE: 500 Mbit/s by default, where on 2
-hosts the link sets the pace; ``--rate 2gbit`` is the CPU-bound reference, where the
+hosts the link sets the pace; ``--rate 200mbit`` leaves the cores room on 3 hosts too;
+``--rate 2gbit`` is the CPU-bound reference, where the
 simulated links' packet work saturates this machine's two cores). Without root it prints
 why and exits 0. The model is bench_ddp.py's MLP (3.4 M parameters, 13.7 MB of float32
 gradients), batch 32 per rank, one compute thread per rank. Layouts:
@@ -53,7 +54,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(REPO))
 from _timing import add_timing_args, timed_rounds, timing_argv  # noqa: E402
 
-RATES = {"500mbit": 500e6, "1gbit": 1e9, "2gbit": 2e9}
+RATES = {"200mbit": 200e6, "500mbit": 500e6, "1gbit": 1e9, "2gbit": 2e9}
 
 
 def shape(rate: str) -> list[str]:
@@ -280,8 +281,8 @@ def main() -> int:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--layouts", default="2x1,3x1,2x2")
     ap.add_argument("--rate", default="500mbit", choices=sorted(RATES),
-                    help="each host's link (default 500mbit: the link sets the pace; 2gbit: "
-                         "this machine's cores do)")
+                    help="each host's link (default 500mbit: the link sets the pace on 2 hosts; "
+                         "200mbit: on 3 hosts too; 2gbit: this machine's cores do)")
     add_timing_args(ap, rounds=6)
     args = ap.parse_args()
     if args.worker:
