@@ -115,8 +115,20 @@ def test_killed_rank_is_retried_on_the_same_hosts_and_resumes_exactly(cluster3, 
     rc, out, err = finish(p, 120)
     assert rc == 0, err
     names = [h.name for h in hosts]
-    assert f"dtrun: job failed: rank 2 on {names[2]} killed by SIGKILL" in err
-    assert (f"dtrun: attempt 2 of 3: rank 2 on {names[2]} killed by SIGKILL; every host passed the check; "
+    if f"dtrun: job failed: rank 2 on {names[2]} killed by SIGKILL" in err:
+        cause = f"rank 2 on {names[2]} killed by SIGKILL"
+    else:
+        # Open MPI 5 can drop the killed rank's report when a peer's abort tears the job down
+        # at the same moment (seen in about 1 job in 8 back to back; docs/launching.md says so).
+        # Then a peer that lost its connection is named, and the killed rank is not counted at
+        # all: had its report arrived and been filed under the tear-down (the rank wrapper's
+        # forwarded flag, test_lifecycle), it would be "2 other ranks stopped too".
+        peer = re.search(r"^dtrun: job failed: (rank ([01]) on (\S+) exited with code 14)"
+                         r"(?: \(1 other rank stopped too\))?$", err, re.M)
+        assert peer and peer.group(3) == names[int(peer.group(2))], err
+        cause = peer.group(1)
+        assert "Socket closed" in err or "unexpectedly disconnected" in err, err
+    assert (f"dtrun: attempt 2 of 3: {cause}; every host passed the check; "
             f"3 ranks on {', '.join(names)}") in err, err
     # one log directory per attempt, DIR/latest the last one
     runs = sorted(d.name for d in (tmp_path / "logs").iterdir() if d.name != "latest")
