@@ -166,9 +166,17 @@ def semantics() -> dict:
     out["objects"] = [hvd.broadcast_object({"from": R, "epoch": 3}, root_rank=N - 1),
                       hvd.allgather_object((R, "x" * R))]
     hvd.barrier()
-    out["unsupported"] = common.unsupported_messages([
-        ("elastic", lambda: __import__("dtrun.collectives.horovod.torch.elastic")),
-    ])
+    # hvd.elastic in memory (no dtrun run id here): commit keeps the state, restore returns to it
+    model = torch.nn.Linear(2, 1)
+    state = hvd.elastic.TorchState(model=model, optimizer=None, epoch=1)
+    w0 = model.weight.detach().clone()
+    state.commit()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    state.epoch = 5
+    state.restore()
+    out["elastic"] = [bool(torch.equal(model.weight, w0)), state.epoch,
+                      sorted(n for n in ("run", "TorchState", "ElasticSampler", "ObjectState") if hasattr(hvd.elastic, n))]
     out["queries"] = [hvd.mpi_built(), hvd.mpi_enabled(), hvd.gloo_built(), hvd.nccl_built(),
                       hvd.is_initialized(), hvd.local_size(), hvd.cross_size()]
     return out

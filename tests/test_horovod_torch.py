@@ -28,10 +28,7 @@ def _check(found: list[dict], out, n: int) -> None:
         # every rank sees root's object and every rank's, in rank order
         assert res["objects"] == [{"from": n - 1, "epoch": 3}, [[r, "x" * r] for r in range(n)]]
         assert res["join_last"] == 0  # rank 0 joined after the others
-        un = res["unsupported"]
-        assert list(un) == ["elastic"]
-        assert "dtrun --max-restarts" in un["elastic"] and "save_checkpoint" in un["elastic"]
-        assert "\n" not in un["elastic"]
+        assert res["elastic"] == [True, 1, ["ElasticSampler", "ObjectState", "TorchState", "run"]]
         assert res["queries"][:5] == [True, True, False, False, True]
         if n > 1:
             # the last rank passed shape (4,), the others (3,): the same line everywhere
@@ -194,12 +191,12 @@ def test_each_module_imports_only_its_framework():
     assert got["keras"] == "['keras', 'tensorflow']"
 
 
-def test_unsupported_api_names_itself_before_init():
+def test_elastic_is_there_and_unknown_names_fail_before_init():
     import dtrun.collectives.horovod.torch as hvd
 
-    with pytest.raises(hvd.HorovodUnsupportedError) as e:
-        import dtrun.collectives.horovod.torch.elastic  # noqa: F401
-    assert str(e.value).startswith("elastic: not provided by collectives.horovod; ")
+    import dtrun.collectives.horovod.torch.elastic as elastic
+
+    assert hvd.elastic is elastic and callable(elastic.run)
     with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
         hvd.no_such_thing  # noqa: B018
     with pytest.raises(ValueError, match="Horovod has not been initialized; use hvd.init"):

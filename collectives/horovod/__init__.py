@@ -10,9 +10,9 @@ A Horovod script changes one import and nothing else (or none: ``dtrun --horovod
 Each of those modules imports only its own framework (TensorFlow users never import
 torch, and the reverse). Nothing is compiled against a framework: the collectives are
 ``collectives.Comm``'s, matched by name in the background as Horovod's (``_engine.py``),
-and PyTorch's ``DistributedOptimizer`` is ``collectives.dp``'s. What Horovod has and dtrun
-does not (elastic) raises at once a one-line ``HorovodUnsupportedError`` naming it and the
-nearest supported alternative.
+and PyTorch's ``DistributedOptimizer`` is ``collectives.dp``'s. Elastic training
+(``hvd.elastic``) runs on dtrun's restarts: commits on each host's disk, a new attempt
+when hosts are lost or added (``_elastic.py``).
 
 Importing this package imports neither a framework nor MPI.
 """
@@ -20,7 +20,7 @@ Importing this package imports neither a framework nor MPI.
 from __future__ import annotations
 
 from ._core import HorovodUnsupportedError
-from ._engine import DuplicateNameError, HorovodInternalError, HorovodMismatchError
+from ._engine import DuplicateNameError, HorovodInternalError, HorovodMismatchError, HostsUpdatedInterrupt
 
 __all__ = ["DuplicateNameError", "HorovodInternalError", "HorovodMismatchError",
-           "HorovodUnsupportedError"]
+           "HorovodUnsupportedError", "HostsUpdatedInterrupt"]

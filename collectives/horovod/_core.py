@@ -24,11 +24,13 @@ from ._arrays import (Average, Max, Min, Product, Sum, _is_bf16, bits,  # noqa: 
                       neutral, np_allgather, np_allreduce, np_alltoall, np_reducescatter,
                       split_rows)
 from ._engine import (NOT_A_TENSOR, DuplicateNameError, Engine, Handle,  # noqa: F401
-                      HorovodInternalError, HorovodMismatchError, Request, compare)
+                      HorovodInternalError, HorovodMismatchError, HostsUpdatedInterrupt, Request,
+                      compare)
 
 # The framework-neutral API: each framework module re-exports it (``from .._core import *``).
 __all__ = [
     "Average", "Sum", "Min", "Max", "Product", "HorovodInternalError", "HorovodMismatchError",
+    "HostsUpdatedInterrupt",
     "HorovodUnsupportedError", "global_process_set", "shutdown", "is_initialized", "size",
     "rank", "local_size", "local_rank", "cross_size", "cross_rank", "is_homogeneous",
     "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
@@ -49,9 +51,8 @@ class HorovodUnsupportedError(CollectiveError, NotImplementedError, AttributeErr
         return f"{self.op}: {self.problem}"
 
 
-_ELASTIC = ("use `dtrun --max-restarts N` to restart the job after a failure, with "
-            "dtrun.collectives.dp.save_checkpoint/load_checkpoint to resume from the last checkpoint")
-UNSUPPORTED: dict[str, str] = {"elastic": _ELASTIC}
+# Horovod API names dtrun does not provide, each with what to use instead (none today).
+UNSUPPORTED: dict[str, str] = {}
 Adasum = "adasum"  # Horovod's op constant; the op of allreduce and DistributedOptimizer
 
 

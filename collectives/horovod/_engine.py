@@ -43,6 +43,15 @@ class HorovodInternalError(CollectiveError, RuntimeError):
     """A collective failed (Horovod's exception name, so ``except`` clauses keep working)."""
 
 
+class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 (Horovod's name)
+    """Hosts were added or removed (elastic runs): raised on every rank at the same commit.
+    ``skip_sync``: only hosts were removed, so the ranks that remain need no new sync."""
+
+    def __init__(self, skip_sync: bool = False):
+        super().__init__(skip_sync)
+        self.skip_sync = skip_sync
+
+
 class HorovodMismatchError(MismatchError, RuntimeError):
     """Ranks submitted the same name with different shapes, dtypes, ops or roots: a
     ValueError and, as Horovod's PyTorch error for these, a RuntimeError."""

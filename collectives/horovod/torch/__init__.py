@@ -81,3 +81,6 @@ def __getattr__(name: str):
     if name in _core.UNSUPPORTED:
         raise _core.unsupported(name)
     raise AttributeError(f"module 'dtrun.collectives.horovod.torch' has no attribute {name!r}")
+
+
+from . import elastic  # noqa: E402,F401 (hvd.elastic.run, hvd.elastic.TorchState, as Horovod's)

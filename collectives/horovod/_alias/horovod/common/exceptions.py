@@ -8,16 +8,9 @@ from dtrun.collectives import horovod as _adapter
 
 HorovodInternalError = _adapter.HorovodInternalError
 
-# Elastic Horovod's interrupt. dtrun restarts jobs instead (dtrun --max-restarts), so the
-# adapter's own class is used where it has one and nothing raises this one otherwise.
-HostsUpdatedInterrupt = getattr(_adapter, "HostsUpdatedInterrupt", None)
-if HostsUpdatedInterrupt is None:
-    class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 (Horovod's name)
-        """The set of hosts changed (elastic Horovod); ``skip_sync`` as Horovod's."""
-
-        def __init__(self, skip_sync: bool):
-            super().__init__(skip_sync)
-            self.skip_sync = skip_sync
+# Elastic Horovod's interrupt: raised on every rank at the commit after dtrun found hosts to
+# add or remove (collectives/horovod/_elastic.py).
+HostsUpdatedInterrupt = _adapter.HostsUpdatedInterrupt
 
 
 class HorovodVersionMismatchError(ImportError):
