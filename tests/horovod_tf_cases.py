@@ -5,11 +5,14 @@ starts slowly, so one launch checks everything; every rank checks, against NumPy
 
 * the collectives on tf.Tensor and tf.Variable, eager and inside tf.function, for each
   dtype Horovod's TensorFlow ops take; the mismatched-shape error (Horovod's
-  FailedPreconditionError); the unsupported API;
+  FailedPreconditionError);
 * TF: N ranks x B/N rows with DistributedGradientTape and SyncBatchNormalization against
   one process with BatchNormalization on all B rows (computed on every rank);
 * Keras 3: model.fit with DistributedOptimizer and the callbacks against plain fit on
-  all B rows; the warm-up's learning rates.
+  all B rows; the warm-up's learning rates;
+* ``hvd.elastic`` within one attempt: the states synchronised from rank 0, committed and
+  restored, ``run``'s restore and reset after a HorovodInternalError (as a graph reports
+  it), the Keras callbacks' commits and counters.
 
 Each rank prints one line ``RESULT {json}``; ``OUT/rank.R.npz`` holds the trained weights.
 Usage: python tests/horovod_tf_cases.py OUT
@@ -111,8 +114,6 @@ def semantics() -> dict:
     except hvd.HorovodMismatchError as e:
         out["mismatch"] = str(e)
         out["mismatch_is_tf_error"] = isinstance(e, tf.errors.FailedPreconditionError)
-    out["unsupported"] = common.unsupported_messages([
-        ("elastic", lambda: __import__("dtrun.collectives.horovod.tensorflow.elastic"))])
     out["objects"] = [hvd.broadcast_object(("root", R), root_rank=N - 1),
                       hvd.allgather_object(R * 10)]
     return out
@@ -193,6 +194,71 @@ def warmup() -> list[float]:
     return [float(v) for v in hist.history["lr"]]
 
 
+# ----------------------------------------------------------------------------- elastic
+def elastic() -> dict:
+    """hvd.elastic's states and run within one attempt (no restarts: nothing on disk)."""
+    out: dict = {"modules": [hvd.elastic.run is hvdk.elastic.run,
+                             issubclass(hvdk.elastic.KerasState, hvd.elastic.TensorFlowKerasState),
+                             hvd.elastic.ObjectState is hvdk.elastic.ObjectState]}
+    # TensorFlowState: rank-dependent values until run's sync makes them rank 0's.
+    v = tf.Variable(np.arange(3.0) + R)
+    state = hvd.elastic.TensorFlowState([v], step=R)
+    resets, calls = [], []
+    state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+
+    @hvd.elastic.run
+    def train(state):
+        calls.append((v.numpy().tolist(), state.step))
+        if len(calls) == 1:
+            v.assign_add(np.ones(3))
+            state.step = 5
+            state.commit()
+            v.assign_add(np.ones(3))  # undone by the reset below
+            state.step = 6
+            raise tf.errors.UnknownError(None, None, "HorovodInternalError: a peer went away")
+        return v.numpy().tolist()
+
+    out["variables"] = [train(state), calls, resets]
+
+    @hvd.elastic.run
+    def fails(state):
+        raise tf.errors.UnknownError(None, None, "not a collective's")
+
+    try:
+        fails(state)
+        out["other_error"] = None
+    except tf.errors.UnknownError as e:
+        out["other_error"] = e.message
+    # KerasState: rank 0's model and optimizer; Horovod's callbacks' commits and counters.
+    keras.utils.set_random_seed(20 + R)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.Adam(0.1)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    kstate = hvdk.elastic.KerasState(model, epoch=0, batch=0)
+    commits: list = []
+    commit = kstate.commit
+    kstate.commit = lambda: (commits.append([kstate.epoch, kstate.batch]), commit())
+    x, y = batches()
+
+    @hvdk.elastic.run
+    def fit(kstate):
+        kstate.model.fit(mine(x)[:3 * 2], mine(y)[:3 * 2], batch_size=2, epochs=2 - kstate.epoch, shuffle=False,
+                         verbose=0, callbacks=[hvdk.elastic.UpdateEpochStateCallback(kstate),
+                                               hvdk.elastic.UpdateBatchStateCallback(kstate),
+                                               hvdk.elastic.CommitStateCallback(kstate, batches_per_commit=2)])
+
+    fit(kstate)
+    trained = [w.numpy() for w in model.variables] + [w.numpy() for w in model.optimizer.variables]
+    for w in model.variables + model.optimizer.variables:
+        w.assign(tf.zeros_like(w))
+    kstate.restore()
+    after = [w.numpy() for w in model.variables] + [w.numpy() for w in model.optimizer.variables]
+    out["keras"] = {"commits": commits, "epoch": kstate.epoch, "batch": kstate.batch,
+                    "restored": len(trained) > 4 and all(np.array_equal(a, b) for a, b in zip(trained, after)),
+                    "weights": float(sum(np.sum(w) for w in trained))}
+    return out
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     collectives()
@@ -205,6 +271,7 @@ def main() -> None:
         arrays.update({f"{tag}.{i}": v for i, v in enumerate(vs)})
     np.savez(f"{out_dir}/rank.{R}.npz", **arrays)
     hvdk.broadcast_global_variables(0)  # every live model and optimizer: no error, same values
+    result["elastic"] = elastic()
     result.update(rank=R, size=N, checked=checked, failures=failures[:20],
                   loss_ref=ref_hist["loss"], loss_dist=dist_hist["loss"], lr=warmup())
     print("RESULT " + json.dumps(result), flush=True)

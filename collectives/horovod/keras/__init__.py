@@ -4,8 +4,8 @@
 For the Keras ``tf.keras`` is: Keras 3 by default, Keras 2 (``tf_keras``) under
 ``TF_USE_LEGACY_KERAS=1``. ``DistributedOptimizer`` wraps a Keras optimizer so that the
 gradients it applies are averaged over ranks first (``optimizer.py`` says where);
-``hvd.callbacks`` holds Horovod's callbacks. Everything else is
-``collectives.horovod.tensorflow``'s. Imports TensorFlow, never torch.
+``hvd.callbacks`` holds Horovod's callbacks, ``hvd.elastic`` its elastic API (``elastic.py``).
+Everything else is ``collectives.horovod.tensorflow``'s. Imports TensorFlow, never torch.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ..tensorflow import (Average, Compression, HorovodInternalError,  # noqa: F
                           stop_timeline)
 from ..tensorflow import tf1 as _tf1
 from ..tensorflow.training import local_layer_weights, reduction
-from . import callbacks  # noqa: F401
+from . import callbacks, elastic  # noqa: F401 (hvd.callbacks, hvd.elastic, as Horovod's)
 from . import saving as _saving
 from .optimizer import wrap
 

@@ -209,3 +209,6 @@ def __getattr__(name: str):
     if name in _core.UNSUPPORTED:
         raise _core.unsupported(name)
     raise AttributeError(f"module 'dtrun.collectives.horovod.tensorflow' has no attribute {name!r}")
+
+
+from . import elastic  # noqa: E402,F401 (hvd.elastic.run, hvd.elastic.TensorFlowKerasState, as Horovod's)
