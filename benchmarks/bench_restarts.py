@@ -6,11 +6,14 @@ printed, one host crashes (every process in its namespace killed, then all its t
 dropped). dtrun (``--max-restarts 1``) runs in a child process of this script, in-process
 through ``launcher.run.launch`` so its ``Timings`` come back; this process records the fault
 and the first step of the next attempt (CLOCK_MONOTONIC is the same for both). Split into
-detection (fault to the end of the attempt), check (the host check), cleanup (the kill
-agents on the hosts that passed) and relaunch (the rest: preflight, mpirun, the program's
-start and its first step). Compared with the same relaunch by hand: bare mpirun on the
-reduced host list, started at once, to its first step (a person adds the minutes it takes
-to notice, find the host and edit the list).
+detection (fault to the end of the attempt), check (the host check: a host the failure
+names as lost is left out unchecked, the others get the quick ssh check), cleanup (the wait,
+after the check, for the kill agents on the hosts the next attempt may use: they start when
+the attempt ends, beside the check, and on the host left out they end in the background)
+and relaunch (the rest: preflight, mpirun, the program's start and its first step).
+Compared with the same relaunch by hand: bare mpirun on the reduced host list, started at
+once, to its first step (a person adds the minutes it takes to notice, find the host and
+edit the list).
 
     python benchmarks/bench_restarts.py [--hosts 3]     # make bench (3), make bench-scale (16)
 
@@ -141,8 +144,9 @@ def main() -> int:
              f"median of {REPS})", "", "| step | seconds |", "|---|---:|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in med.items()]
     lines += [f"| by hand: bare mpirun on the reduced host list, start to first step | {hand_med:.2f} |", "",
-              "detection: the fault to the end of the attempt; check: every host at once (ssh banner, 5 s limit: "
-              "the lost host takes all of it); cleanup: kill agents on the hosts that passed; relaunch: preflight, "
+              "detection: the fault to the end of the attempt; check: the host the failure names as lost is left "
+              "out unchecked, every other host at once (ssh banner, 2 s limit); cleanup: the wait for the kill "
+              "agents on the hosts the next attempt may use (started with the check); relaunch: preflight, "
               "mpirun, the program's start and first step. By hand adds the time a person needs to notice."]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -11,6 +11,11 @@ timeout, not more:
 * inside a Slurm allocation whose nodes are the job's hosts: a one-task step
   (``srun --overlap -w NODE hostname``) on each node, because sites often block ssh to
   compute nodes; ``--overlap`` keeps it from waiting for the failed step's CPUs.
+
+``quick=True`` is the restart loop's check when its next attempt can go on without a host
+that does not answer (a spare, or ``--min-np``): the ssh check is then bounded by
+``QUICK_TIMEOUT_S`` instead of ``TIMEOUT_S``. A Slurm step keeps its own bound: its start
+goes through slurmctld, whose answer takes seconds on a healthy cluster.
 """
 from __future__ import annotations
 
@@ -25,6 +30,10 @@ from dtrun.launcher.hosts import SLURM_SOURCE, is_local
 from dtrun.launcher.safe import plain_text
 
 TIMEOUT_S = 5.0
+# A healthy host's sshd sends its banner within milliseconds of the connection. Two seconds
+# leave room for one lost SYN (Linux resends the first after 1 s) and for a host busy with a
+# failed job's tear-down, and still spare the restart most of TIMEOUT_S.
+QUICK_TIMEOUT_S = 2.0
 SLURM_TIMEOUT_S = 10.0  # a step's start goes through slurmctld and the node's slurmd
 
 
@@ -34,8 +43,10 @@ def short_reason(detail: str) -> str:
 
 
 def check_hosts(opts, selection, hosts: Sequence, environ: Optional[Mapping[str, str]] = None,
-                timeout: Optional[float] = None) -> dict[str, str]:
-    """Check ``hosts`` (``HostSlots``) of a failed job; return {host: why it failed} for those that did."""
+                timeout: Optional[float] = None, quick: bool = False) -> dict[str, str]:
+    """Check ``hosts`` (``HostSlots``) of a failed job; return {host: why it failed} for those that did.
+
+    ``quick``: over ssh, wait ``QUICK_TIMEOUT_S`` for each host instead of ``TIMEOUT_S``."""
     from dtrun.checks.sshtarget import ssh_config_path  # lazy: failed jobs only; every launch imports this module
     from dtrun.launcher.slurm import current_allocation, find_srun  # lazy: failed jobs only; every launch imports this module
 
@@ -45,7 +56,9 @@ def check_hosts(opts, selection, hosts: Sequence, environ: Optional[Mapping[str,
                            SLURM_TIMEOUT_S if timeout is None else timeout)
     cfg = ssh_config_path(opts.hosts.ssh_config, selection.ssh_config if selection else None, environ)
     remote = [h for h in hosts if not is_local(h.host)]
-    found = reachable(remote, cfg, TIMEOUT_S if timeout is None else timeout)
+    if timeout is None:
+        timeout = QUICK_TIMEOUT_S if quick else TIMEOUT_S
+    found = reachable(remote, cfg, timeout)
     return {f.host: f"ssh: {short_reason(f.detail)}" for f in found}
 
 

@@ -84,7 +84,8 @@ def run_attempt(opts: LaunchOptions, setup: AttemptSetup = AttemptSetup(), prefl
         nspace = pmix_namespace(result.launcher_pid) if job is not None else ""
         result = jobend.clean_up(prepared, result, job, nspace, cleaned, sweep)
         ended = jobend.ended_by_slurm(prepared, result)
-        if not ended:
+        # An end an observer planned (ranks leaving at a commit for new hosts, launcher/elastic.py) is no failure to report.
+        if not ended and not any(getattr(o, "planned_end", None) and o.planned_end(result) for o in observers):
             result = jobend.report(prepared, result, opts.on_hang)
     return AttemptOutcome(signal_exit_code(signal.SIGTERM) if ended else result.returncode, result, job, nspace,
                           prepared.selection, tuple(expected_hosts(spec.hosts, spec.np)),

@@ -44,16 +44,18 @@ def _show_version(value: bool) -> None:
         raise typer.Exit(0)
 
 
+_PROGRAM = typer.Argument(None, help="The program and its arguments (never parsed by dtrun).", metavar="PROGRAM [ARGS]...")
+_NP = typer.Option(None, "-np", "-n", "--np", metavar="N", help="Number of ranks (default: total slots).")
+
+
 @run_app.command(
     context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
     epilog="Subcommands: dtrun hosts | smoke | bench | doctor | keyscan | completion | stacks | top (each with --help).",
 )
 def run(
     ctx: typer.Context,
-    program: List[str] = typer.Argument(None, help="The program and its arguments (never parsed by dtrun).",
-                                        metavar="PROGRAM [ARGS]..."),
-    np: Optional[str] = typer.Option(None, "-np", "-n", "--np", metavar="N",
-                                     help="Number of ranks (default: total slots)."),
+    program: List[str] = _PROGRAM,
+    np: Optional[str] = _NP,
     host_list: Optional[str] = _H,
     hostfile: Optional[str] = _HOSTFILE,
     cluster: Optional[str] = _CLUSTER,
@@ -82,6 +84,8 @@ def run(
     max_restarts: int = typer.Option(0, "--max-restarts", help="Restart a failed job up to N times, leaving out hosts that fail a check (exit 123 when all fail).", metavar="N"),
     min_np: Optional[str] = typer.Option(None, "--min-np", help="With --max-restarts: go on with fewer ranks, down to M, when hosts are lost and no spare is left.", metavar="M"),
     spares: Optional[str] = typer.Option(None, "--spares", help="With --max-restarts: hosts (host:slots,...) that take the place of lost ones.", metavar="HOSTS"),
+    host_discovery_script: Optional[str] = typer.Option(None, "--host-discovery-script", help="An executable that prints the hosts the job may use now, one host:slots per line (horovodrun's format): hosts it adds join the job at its next hvd.elastic commit, hosts it drops leave. Implies --max-restarts 3 unless given.", metavar="SCRIPT"),
+    max_np: Optional[str] = typer.Option(None, "--max-np", help="With --host-discovery-script: the most ranks the job grows to.", metavar="N"),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop the job after this many seconds, counted across --max-restarts attempts (exit 124)."),
     start_timeout: float = typer.Option(120.0, "--start-timeout", help="Stop the job if some ranks have not started after this many seconds, naming their hosts (exit 124; 0: no limit)."),
     top: bool = typer.Option(False, "--top", help="Show the live per-rank table of `dtrun top` on stderr while the job runs."),
@@ -101,9 +105,9 @@ def run(
         include_iface=include_iface, exclude_iface=exclude_iface, env=tuple(env), mca=ctx.obj.mca if ctx.obj else (),
         mpi_args=mpi_args, tag_output=tag_output, log_dir=log_dir, nccl_debug=nccl_debug,
         no_tree_spawn=no_tree_spawn, mpirun=mpirun, dry_run=dry_run, preflight=not no_preflight, verbose=verbose,
-        hang_timeout=hang_timeout, on_hang=on_hang, timeout=timeout, start_timeout=start_timeout,
+        hang_timeout=hang_timeout, on_hang=on_hang, timeout=timeout, start_timeout=start_timeout, max_np=max_np,
         pin_gpus=pin_gpus, horovod=horovod, launcher=launcher, max_restarts=max_restarts, min_np=min_np, spares=spares, top=top,
-    )
+        host_discovery_script=host_discovery_script)
     # lazy: the ssh checks, only a launch needs them. The one place that joins launcher/ and checks/.
     from dtrun.checks.hostcheck import check_hosts
     from dtrun.checks.preflight import preflight  # lazy: as above

@@ -146,6 +146,15 @@ def write(job_dir: str, hosts, np: int, ssh_config: Optional[str], log_dir: Opti
     return info
 
 
+def read(job_dir: str) -> Optional[JobInfo]:
+    """The record ``write`` left in ``job_dir`` (dtrun's own private directory), or None."""
+    try:
+        data = json.loads((Path(job_dir) / "job.json").read_text())
+        return JobInfo(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def remove(job_dir: str) -> None:
     """Remove the job's directory (its lock still held while it goes), then let the lock go."""
     shutil.rmtree(job_dir, ignore_errors=True)

@@ -80,6 +80,8 @@ class LaunchOptions:
     max_restarts: int = 0  # restart a failed job up to N times without the hosts that fail the check (launcher/restarts.py)
     min_np: Optional[int | str] = None  # a restarted job may go on with fewer ranks, down to this
     spares: Optional[str] = None  # hosts (-H syntax) a restarted job may use in place of lost ones
+    host_discovery_script: Optional[str] = None  # prints the hosts the job may use now (launcher/elastic.py)
+    max_np: Optional[int | str] = None  # with --host-discovery-script: the most ranks the job grows to
     top: bool = False  # --top: the live table of `dtrun top` on stderr while the job runs (launcher/straggler.py)
 
 

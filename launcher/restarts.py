@@ -12,9 +12,17 @@ ran past ``--timeout`` (the run's limit, shared by its attempts), and a failure 
 program's own: a failure that already ended an earlier attempt while every host passed the
 check both times (``repeated_failure``: A, B, A stops at the second A).
 
+The check is quick where the run can go on without a host (``lost_hosts``,
+``going_on_without``): a host that the failure's own evidence names as lost (its MPI daemon
+was lost, all its ranks went silent, or it closed the ssh connection of its MPI daemon) is
+left out at once, not waited on for the check's timeout; the other hosts get the check's
+short bound (a healthy host answers within milliseconds), and one that does not answer in it
+is left out too. Only a host the next attempt cannot do without gets the full timeout.
+
 These are the rules, pure and tested by value (``plan_hosts``, ``failure_of``,
-``repeated_failure``, ``attempt_line``, ``lost_host_lines``), and the options they take;
-the loop that applies them after each attempt is launcher/run.py's.
+``repeated_failure``, ``attempt_line``, ``lost_host_lines``, ``lost_hosts``,
+``going_on_without``), and the options they take; the loop that applies them after each
+attempt is launcher/run.py's.
 """
 from __future__ import annotations
 
@@ -31,13 +39,19 @@ from dtrun.launcher.job.summary import launcher_ended
 from dtrun.launcher.safe import MAX_RANKS, count
 
 # The host check the CLI injects (launcher/ never imports checks/):
-# (opts, selection, hosts, environ) -> {host name: why it failed}; hosts not named passed.
+# (opts, selection, hosts, environ, quick=False) -> {host name: why it failed}; hosts not
+# named passed. ``quick=True``: the check's short bound, for a run that can go on without a
+# host that does not answer in it.
 HostCheck = Callable[..., Mapping[str, str]]
 # A Python traceback's innermost frame and its exception line, as a rank's stderr shows
 # them (after an optional launcher tag such as "[host,1]<stderr>: " or "1: ").
 _TAG = r"(?:\[[^\]\n]*\](?:<std(?:err|out)>)?:? ?|\d+: )?"
 _FRAME_RE = re.compile(r"^" + _TAG + r'\s*File "([^"]+)", line (\d+), in (\S+)')
 _EXC_RE = re.compile(r"^" + _TAG + r"([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning)|AssertionError)(?::|$)")
+# OpenSSH's client when the server's end of its connection closed without the protocol's own
+# close: sshd was killed with the host's processes, or the host went down (its kernel still
+# closing the socket). mpirun's ssh clients carry the MPI daemons; the name is after HostName.
+_CLOSED_RE = re.compile(r"^" + _TAG + r"Connection to (\S+?) closed by remote host\.?\s*$")
 
 
 class NotEnoughSlots(Exception):
@@ -137,6 +151,10 @@ class ErrorWatch:
     def exception(self) -> Optional[tuple[str, str]]:
         return last_exception(list(self.tail))
 
+    def closed(self) -> tuple[str, ...]:
+        """The addresses whose ssh connection the far end closed (``closed_connections``)."""
+        return closed_connections(list(self.tail))
+
 
 def last_exception(lines: Sequence[str]) -> Optional[tuple[str, str]]:
     """("file:line", "ExceptionType") of the last Python traceback in ``lines``, if any."""
@@ -190,6 +208,65 @@ def failure_of(result: JobResult, exception: Optional[tuple[str, str]] = None, o
     if result.timeout:
         return Failure(result.timeout, ("start-timeout",))
     return Failure(launcher_ended(result), ("mpirun", result.mpirun_returncode))
+
+
+def closed_connections(lines: Sequence[str]) -> tuple[str, ...]:
+    """The addresses (ssh's HostName, or the host name) of every "Connection to X closed by
+    remote host." line in ``lines``, in order, once each."""
+    found = (_CLOSED_RE.match(line) for line in lines)
+    return tuple(dict.fromkeys(m.group(1) for m in found if m))
+
+
+def ssh_hostname(config_dump: str) -> Optional[str]:
+    """The HostName of ``ssh -G HOST``'s output (its "hostname X" line), or None."""
+    for line in config_dump.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "hostname" and value.strip():
+            return value.strip()
+    return None
+
+
+def lost_hosts(result: JobResult, rank_hosts: Sequence[str], closed: Sequence[str] = ()) -> dict[str, str]:
+    """The hosts the failure's own evidence names as lost, each with why: the one whose MPI
+    daemon Open MPI lost, those whose every rank went silent (``result.vanished``, the ranks
+    that started and were never heard of again), and ``closed``: those whose MPI daemon's ssh
+    connection the host closed (``closed_connections``, mapped to host names by the caller).
+    A host where some rank was still heard from is not named by silence."""
+    found: dict[str, str] = {}
+    if result.lost_daemon_host:
+        found[result.lost_daemon_host] = "its MPI daemon was lost"
+    silent = {r for r, _ in result.vanished}
+    for host in dict.fromkeys(h for _, h in result.vanished):
+        ranks = [str(r) for r in _ranks_on(rank_hosts, host)]
+        if ranks and all(r in silent for r in ranks):
+            found.setdefault(host, f"{'its rank' if len(ranks) == 1 else 'all its ranks'} went silent")
+    for host in closed:
+        found.setdefault(host, "it closed its MPI daemon's ssh connection")
+    return found
+
+
+def slots_left(primary: Sequence[HostSlots], spares: Sequence[HostSlots], left_out: Sequence[str], np: int,
+               min_np: Optional[int] = None, oversubscribe: bool = False) -> Callable[[Sequence[str]], bool]:
+    """Whether a next attempt fits (``plan_hosts``) with the hosts it is given left out, beside ``left_out``."""
+    def fits(more: Sequence[str]) -> bool:
+        try:
+            plan_hosts(primary, spares, list(left_out) + list(more), np, min_np, oversubscribe)
+        except NotEnoughSlots:
+            return False
+        return True
+    return fits
+
+
+def going_on_without(hosts: Sequence[str], fits: Callable[[Sequence[str]], bool],
+                     already: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+    """(the hosts the run may leave out, those it cannot do without), in order: each host in
+    turn is left out when the next attempt still fits (``fits``) without it, ``already`` and
+    the hosts left out before it."""
+    out: list[str] = []
+    needed: list[str] = []
+    for host in dict.fromkeys(hosts):
+        (out if fits(list(already) + out + [host]) else needed).append(host)
+    return out, needed
 
 
 def repeated_failure(earlier: Mapping[tuple, int], current: Failure, hosts_healthy: bool) -> Optional[int]:

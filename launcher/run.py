@@ -12,27 +12,31 @@ of restarts. Like torchrun's ``SimpleElasticAgent._invoke_run``, one owner for t
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Sequence
 
-from dtrun.launcher import jobstate
+from dtrun.launcher import elastic, jobstate
 from dtrun.launcher.attempt import AttemptOutcome, run_attempt
 from dtrun.launcher.errors import ExitCode, UsageError, signal_name
 from dtrun.launcher.hangwatch import ON_HANG
 from dtrun.launcher.hostfile import HostSlots
-from dtrun.launcher.hosts import all_local, resolve_hosts, resolve_np
+from dtrun.launcher.hosts import all_local, is_local, resolve_hosts, resolve_np
 from dtrun.launcher.job import stopsignals
-from dtrun.launcher.job.kill import kill_leftovers
-from dtrun.launcher.job.result import JobResult, StopReason
+from dtrun.launcher.job.kill import AgentRound, kill_leftovers, start_kill, wait_agents
+from dtrun.launcher.job.result import JobResult, StopReason, root_cause
 from dtrun.launcher.launch import AttemptSetup, LaunchOptions, Preflight, check_seconds
 from dtrun.launcher.paths import new_run_id
 from dtrun.launcher.restarts import (ErrorWatch, Failure, HostCheck, NotEnoughSlots, attempt_line, check_options,
-                                     failure_of, lost_host_lines, plan_hosts, repeated_failure)
+                                     failure_of, going_on_without, lost_host_lines, lost_hosts, plan_hosts,
+                                     repeated_failure, slots_left, ssh_hostname)
 
-# Seconds the kill agents get to stop what is left of a failed attempt on the healthy hosts.
+# Seconds the kill agents get to stop what is left of a failed attempt on its hosts.
 CLEANUP_BUDGET_S = 5.0
+# Seconds `ssh -G` gets to say where each host's name leads (no network: it reads the config).
+SSH_CONFIG_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -59,6 +63,7 @@ def launch(opts: LaunchOptions, preflight: Optional[Preflight] = None, host_chec
         raise UsageError(f"--on-hang {opts.on_hang!r}: use one of {', '.join(ON_HANG)}")
     check_seconds(opts.timeout, "--timeout")
     check_seconds(opts.start_timeout, "--start-timeout")
+    opts = elastic.discovery_options(opts, environ)  # --host-discovery-script implies --max-restarts
     check_options(opts, None)
     if opts.dry_run or not opts.rank_wrapper:
         return run_attempt(opts, AttemptSetup(), preflight).code
@@ -97,6 +102,12 @@ class _Run:
         self.min_np = self.np = None
         self.first: tuple[str, ...] = ()
         self.base_id = None  # --log-dir: the run's subdirectory name, each attempt's with its number
+        # hvd.elastic's commits are kept per run on each host (collectives/commitstore.py)
+        self.run_id = new_run_id()
+        self.discovery = opts.host_discovery_script  # launcher/elastic.py
+        self.max_np = opts.max_np
+        self.flaps = elastic.FlapRule()
+        self.resets = 0  # attempts started for a change of hosts (not counted by --max-restarts)
         if self.restarts:
             self.selection = resolve_hosts(opts.hosts, environ)
             self.spares, self.min_np = check_options(opts, self.selection)
@@ -119,7 +130,8 @@ class _Run:
             return self.opts, AttemptSetup(job_dir=job_dir)
         n = self.n
         opts = replace(self.opts, np=str(self.plan.np),
-                       env=tuple(self.opts.env) + (f"DTRUN_RESTART_COUNT={n}", f"TORCHELASTIC_RESTART_COUNT={n}"))
+                       env=tuple(self.opts.env) + (f"DTRUN_RESTART_COUNT={n}", f"TORCHELASTIC_RESTART_COUNT={n}",
+                                                   f"DTRUN_RUN_ID={self.run_id}"))
         return opts, AttemptSetup(job_dir=job_dir, selection=replace(self.selection, hosts=self.plan.hosts),
                                   run_id=f"{self.base_id}-attempt-{n + 1}" if self.base_id else None,
                                   deadline=self.deadline)
@@ -127,38 +139,61 @@ class _Run:
     def one(self) -> Optional[int]:
         """Run one attempt; dtrun's exit code when the run is over, None to go on."""
         job_dir = jobstate.new_dir()
+        going_on = False
         try:
             watch = ErrorWatch()
             opts, setup = self._inputs(job_dir)
             if self.timings is not None and self.n > 0:
                 self.timings.relaunched.append(time.monotonic())
-            att = run_attempt(opts, setup, self.preflight, (watch,), cleanup=not self.restarts)
+            hosts_watch = self._host_watch(job_dir)
+            observers = (watch,) if hosts_watch is None else (watch, hosts_watch)
+            att = run_attempt(opts, setup, self.preflight, observers, cleanup=not self.restarts)
             if self.timings is not None:
                 self.timings.detected.append(time.monotonic())
             if att.code == 0 or att.result is None:
                 return att.code
+            if hosts_watch is not None and hosts_watch.posted and elastic.is_reset(root_cause(att.result.failures)):
+                if not att.cleaned:
+                    with stopsignals.held():
+                        _cleanup(att, att.hosts)
+                return self._reset(hosts_watch.posted)
+            if self.discovery:
+                self._refresh()
             failure = failure_of(att.result, watch.exception(), self.opts.on_hang, _timed_out(att.result))
             if att.ended:
                 failure = replace(failure, restartable=False, reason="Slurm stopped the job")
+            # The clean-up starts at once on every host of the attempt and runs while the hosts
+            # are checked; the next attempt waits for it only on the hosts it may use. On those
+            # left out it ends in the background, within its budget, and before dtrun exits.
+            cleanup = _start_cleanup(att) if self.restarts and not att.cleaned else None
             try:
-                bad = self._check_hosts(att, opts, failure)
+                bad = self._check_hosts(att, opts, failure, watch)
             except stopsignals.Stopped:
-                if self.restarts and not att.cleaned:
+                if cleanup is not None:
                     with stopsignals.held():
-                        _cleanup(att, att.hosts)
+                        cleanup.wait()
                 raise
             t0 = time.monotonic()
-            if self.restarts and not att.cleaned:
+            if cleanup is not None:
                 with stopsignals.held():  # a signal now waits for the clean-up, then ends the run
-                    _cleanup(att, [h for h in att.hosts if h not in bad])
+                    cleanup.wait([h for h in att.hosts if h not in bad])
             if self.timings is not None:
                 self.timings.cleanup.append(time.monotonic() - t0)
-            return self._next(att, failure, bad)
+            code = self._next(att, failure, bad)
+            going_on = code is None
+            return code
         finally:
-            jobstate.remove(job_dir)
+            try:
+                if not going_on:  # the run ends: no round of agents it started is left running
+                    with stopsignals.held():
+                        wait_agents()
+            finally:
+                jobstate.remove(job_dir)
 
-    def _check_hosts(self, att: AttemptOutcome, opts: LaunchOptions, failure: Failure) -> dict[str, str]:
-        """The hosts that fail the check after this failure (host -> why), each lost one said."""
+    def _check_hosts(self, att: AttemptOutcome, opts: LaunchOptions, failure: Failure,
+                     watch: Optional[ErrorWatch] = None) -> dict[str, str]:
+        """The hosts that fail the check after this failure (host -> why), each lost one said.
+        Before a restart the check is quick where the run can go on without a host (``_recovery_check``)."""
         used = att.selection if att.selection is not None else self.selection
         candidates = [h for h in used.hosts if h.host in att.hosts] if used is not None else []
         if self.restarts and failure.restartable:
@@ -169,11 +204,36 @@ class _Run:
         if self.host_check is not None and candidates and not all_local(candidates) \
                 and (failure.restartable or not self.restarts) and not att.result.interrupted \
                 and not att.result.stdout_closed and not att.ended:
-            bad = dict(self.host_check(opts, used, candidates, self.environ))
+            if self.restarts and failure.restartable and not self.discovery:
+                bad = self._recovery_check(att, opts, used, candidates, watch)
+            else:
+                bad = dict(self.host_check(opts, used, candidates, self.environ))
         if self.timings is not None:
             self.timings.check.append(time.monotonic() - t0)
         for line in lost_host_lines({h: w for h, w in bad.items() if h in att.hosts}, att.rank_hosts):
             _say(line)
+        return bad
+
+    def _recovery_check(self, att: AttemptOutcome, opts: LaunchOptions, used, candidates: Sequence[HostSlots],
+                        watch: Optional[ErrorWatch]) -> dict[str, str]:
+        """The check before a restart (launcher/restarts.py): a host the failure's evidence names
+        as lost is left out at once when the next attempt fits without it; the others get the
+        quick check, and one that fails it is left out too when the attempt fits without it.
+        Only a host the next attempt cannot do without gets the check's full timeout."""
+        names = {h.host for h in candidates if not is_local(h.host)}  # never this host: dtrun runs on it
+        closed = _closed_hosts(att, watch.closed() if watch is not None else ())
+        evidence = {h: why for h, why in lost_hosts(att.result, att.rank_hosts, closed).items() if h in names}
+        fits = slots_left(self.selection.hosts, self.spares, list(self.left_out), self.np, self.min_np,
+                          self.opts.oversubscribe)
+        out, needed = going_on_without(list(evidence), fits)
+        bad = {h: evidence[h] for h in out}
+        rest = [h for h in candidates if h.host not in evidence]
+        slow = dict(self.host_check(opts, used, rest, self.environ, quick=True)) if rest and not all_local(rest) else {}
+        more, kept = going_on_without(list(slow), fits, list(bad))
+        bad.update((h, slow[h]) for h in more)
+        again = [h for h in candidates if h.host in needed or h.host in kept]
+        if again:
+            bad.update(self.host_check(opts, used, again, self.environ))
         return bad
 
     def _next(self, att: AttemptOutcome, failure: Failure, bad: dict[str, str]) -> Optional[int]:
@@ -190,7 +250,7 @@ class _Run:
             return att.code
         if not bad:
             self.healthy_failures.setdefault(failure.key, self.n)
-        if self.n + 1 >= self.total:
+        if self.n - self.resets + 1 >= self.total:
             _say(f"dtrun: not restarting: all {self.total} attempts (--max-restarts {self.opts.max_restarts}) "
                  f"failed; the last: {failure.what} (exit code {int(ExitCode.RESTARTS)})")
             return ExitCode.RESTARTS
@@ -200,8 +260,11 @@ class _Run:
             return ExitCode.TIMEOUT
         self.left_out.update(bad)
         try:
-            self.plan = plan_hosts(self.selection.hosts, self.spares, list(self.left_out), self.np, self.min_np,
-                                   self.opts.oversubscribe, self.first)
+            if self.discovery:
+                self._plan_listed(att.hosts, bad)
+            else:
+                self.plan = plan_hosts(self.selection.hosts, self.spares, list(self.left_out), self.np, self.min_np,
+                                       self.opts.oversubscribe, self.first)
         except NotEnoughSlots as exc:
             _say(f"dtrun: not restarting: {exc}; {failure.what} (exit code {int(ExitCode.RESTARTS)}); "
                  f"add hosts with --spares, or let the job go on with fewer ranks with --min-np")
@@ -212,13 +275,127 @@ class _Run:
             # the next step shares them (--overlap); the host check was the Slurm preflight.
             self.opts = replace(self.opts, preflight=False,
                                 mpi_args=" ".join(filter(None, (self.opts.mpi_args, "--overlap"))))
-        _say(attempt_line(self.n + 1, self.total, failure, dict(bad), self.plan))
+        _say(attempt_line(self.n - self.resets + 1, self.total, failure, dict(bad), self.plan))
+        return None
+
+    # -- elastic runs (--host-discovery-script, launcher/elastic.py)
+    def _host_watch(self, job_dir: str) -> Optional[elastic.HostWatch]:
+        if not (self.discovery and self.restarts and self.plan.rank_hosts):
+            return None
+        return elastic.HostWatch(job_dir, self.plan.rank_hosts[0], [h.host for h in self.plan.hosts], self.plan.np,
+                                 self.max_np, kept_out=lambda: [h for h in self.flaps.lost if self.flaps.barred(h)],
+                                 listed=lambda: elastic.run_discovery(self.discovery, self.environ),
+                                 usable=self._usable)
+
+    def _usable(self, hosts: Sequence[HostSlots]) -> Mapping[str, str]:
+        """The host check on ``hosts``: {host: why} of those that fail it."""
+        if self.host_check is None or not hosts or all_local(hosts):
+            return {}
+        return dict(self.host_check(self.opts, self.selection, list(hosts), self.environ))
+
+    def _refresh(self) -> None:
+        """The hosts the discovery script lists now become the run's (kept when it fails)."""
+        try:
+            listed = elastic.run_discovery(self.discovery, self.environ)
+        except elastic.DiscoveryError as exc:
+            _say(f"dtrun: warning: {exc}; the hosts it listed last are used")
+            return
+        if listed:
+            self.selection = replace(self.selection, hosts=tuple(listed))
+
+    def _plan_listed(self, before: Sequence[str], bad: Mapping[str, str]) -> None:
+        """The next attempt of an elastic run: every usable listed slot up to --max-np, less the
+        hosts that failed the check now and those lost too often (``FlapRule``); a host lost
+        once before may come back when it passes the check.
+
+        Raises:
+            NotEnoughSlots: fewer slots than --min-np (else the first -np).
+        """
+        for h in bad:
+            if h in before:
+                self.flaps.record(h)
+        out = {h: why for h, why in bad.items()}
+        out.update({h: self.flaps.why(h) for h in self.flaps.lost if self.flaps.barred(h)})
+        back = [h for h in self.selection.hosts if h.host not in before and h.host not in out]
+        out.update(self._usable(back))
+        self.left_out = out
+        usable = [h for h in self.selection.hosts if h.host not in out]
+        floor = self.min_np if self.min_np is not None else self.np
+        try:
+            n = elastic.target_np(sum(max(int(h.slots), 1) for h in usable), self.max_np, floor)
+        except ValueError as exc:
+            gone = ", ".join(out) or "none"
+            raise NotEnoughSlots(f"{exc} (left out: {gone})") from None
+        self.plan = plan_hosts(self.selection.hosts, (), list(out), n, None, self.opts.oversubscribe, self.first)
+
+    def _reset(self, change: elastic.Change) -> Optional[int]:
+        """Every rank left at a commit after dtrun posted ``change``: the next attempt runs on the
+        hosts listed now and resumes from that commit. The exit code when none can."""
+        for h in change.removed:
+            self.flaps.record(h)
+        self._refresh()
+        try:
+            self._plan_listed((), {})
+        except NotEnoughSlots as exc:
+            _say(f"dtrun: not restarting: {exc}; the hosts changed ({change.words()}) (exit code "
+                 f"{int(ExitCode.RESTARTS)})")
+            return ExitCode.RESTARTS
+        self.n += 1
+        self.resets += 1
+        self.first = tuple(h.host for h in self.plan.hosts)  # the hosts the job grew onto are its own, not spares
+        where = ", ".join(h.host for h in self.plan.hosts)
+        _say(f"dtrun: the hosts changed ({change.words()}); the job resumes from its last commit; "
+             f"{self.plan.np} rank{'s' if self.plan.np != 1 else ''} on {where}")
         return None
 
 
 def _timed_out(result: JobResult) -> bool:
     """Whether the run's --timeout stopped the attempt (never restarted: it covers the whole run)."""
     return result.stop_reason is StopReason.TIMEOUT
+
+
+def _start_cleanup(att: AttemptOutcome) -> Optional[AgentRound]:
+    """``_cleanup`` on every host of the attempt, started and not waited for (``AgentRound.wait``)."""
+    if att.job is None or att.srun or not att.hosts:
+        return None
+    return start_kill(att.job, att.hosts, att.nspace, budget=CLEANUP_BUDGET_S)
+
+
+def _closed_hosts(att: AttemptOutcome, addresses: Sequence[str]) -> list[str]:
+    """The attempt's hosts whose ssh connection was closed by the far end (``addresses``: as
+    ssh names them, after the HostName of the ssh config mpirun used, which `ssh -G` reads)."""
+    hosts = [h for h in dict.fromkeys(att.hosts) if not is_local(h)]
+    found = [h for h in hosts if h in addresses]
+    rest = [h for h in hosts if h not in found]
+    if not rest or all(a in found for a in addresses):
+        return found
+    where = _ssh_hostnames(att.job.ssh_config if att.job is not None else None, rest)
+    return found + [h for h in rest if where.get(h) in addresses]
+
+
+def _ssh_hostnames(ssh_config: Optional[str], hosts: Sequence[str]) -> dict[str, str]:
+    """{host: the HostName ssh connects to} by `ssh -G` (all at once, bounded by SSH_CONFIG_TIMEOUT_S)."""
+    procs = {}
+    for host in hosts:
+        argv = ["ssh", "-G"] + (["-F", ssh_config] if ssh_config else []) + ["--", host]
+        try:
+            procs[host] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                           stdin=subprocess.DEVNULL, text=True)
+        except OSError:
+            break
+    deadline = time.monotonic() + SSH_CONFIG_TIMEOUT_S
+    found = {}
+    for host, p in procs.items():
+        try:
+            out, _ = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            continue
+        name = ssh_hostname(out) if p.returncode == 0 else None
+        if name:
+            found[host] = name
+    return found
 
 
 def _cleanup(att: AttemptOutcome, hosts: Sequence[str]) -> None:

@@ -333,7 +333,10 @@ class StragglerWatch:
         if stream is None:
             return
         ran = time.monotonic() - self._t0
-        worth = (self.job.np >= 2 and enabled() and ran >= self.min_run
+        # Only a job that ended well is judged: a failed one has its own report, its ranks
+        # ended at different moments, and a lost host's agent would be waited for in vain
+        # (seconds before a restart can start).
+        worth = (self.job.np >= 2 and enabled() and ran >= self.min_run and getattr(result, "returncode", 0) == 0
                  and not any(getattr(result, k, False) for k in ("interrupted", "hung")))
         if worth:
             stream.wait_ended(2.5)  # the agents print the last window as the ranks end

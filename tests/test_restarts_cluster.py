@@ -15,8 +15,8 @@ import time
 import pytest
 
 from tests import nscluster
-from tests.dtrun_helpers import (DTRUN, PYTHON, REPO, dtrun, finish, module_cluster, processes_with, user_env,
-                                 wait_until_empty)
+from tests.dtrun_helpers import (DTRUN, PYTHON, REPO, command_lines, dtrun, finish, module_cluster, processes_with,
+                                 user_env, wait_until_empty)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
 
@@ -143,7 +143,8 @@ def test_killed_rank_is_retried_on_the_same_hosts_and_resumes_exactly(cluster3, 
 # ---- 2. a host lost mid-run -------------------------------------------------------------------
 
 def test_lost_host_is_left_out_and_a_spare_takes_its_place(cluster4, tmp_path):
-    """A host that goes silent (power lost): only the hang watchdog notices; the check leaves it out."""
+    """A host that goes silent (power lost): only the hang watchdog notices, and nothing names the
+    host; the check does, with its quick bound, as the spare lets the run go on without it."""
     want = reference_w(tmp_path, 3)
     a, b, c, d = cluster4.hosts
     p = start(cluster4, "-H", host_list(cluster4.hosts), "-np", "3", "--max-restarts", "2",
@@ -151,24 +152,54 @@ def test_lost_host_is_left_out_and_a_spare_takes_its_place(cluster4, tmp_path):
               PYTHON, EXAMPLE, "--checkpoint", tmp_path / "ckpt", "--steps", "30", "--step-time", "0.2")
     rc, out, err = lose_at(cluster4, p, r"^step 6 ", b, silent_first=True)
     assert rc == 0, err
-    assert re.search(rf"dtrun: host {b.name} was lost: ssh: TCP to {b.name} \(\S+\) timed out after 5 s; "
+    assert re.search(rf"dtrun: host {b.name} was lost: ssh: TCP to {b.name} \(\S+\) timed out after 2 s; "
                      r"rank 1 was on it", err), err
     assert re.search(rf"dtrun: attempt 2 of 3: {b.name} left out \(ssh: TCP to {b.name} \(\S+\) timed out after "
-                     rf"5 s\); no progress \(--hang-timeout\); 3 ranks on {a.name}, {c.name}, {d.name} \(spare\)$",
+                     rf"2 s\); no progress \(--hang-timeout\); 3 ranks on {a.name}, {c.name}, {d.name} \(spare\)$",
                      err, re.M), err
     assert re.search(r"attempt 1: 3 ranks, resumed from step \d+", out), out
     assert final_w(out) == want
 
 
+# What the failure itself says of a host that crashed (launcher/restarts.py lost_hosts): Open MPI
+# names the daemon it lost, or only ssh says the host closed the daemon's connection (either happens).
+CRASH_EVIDENCE = r"(its MPI daemon was lost|it closed its MPI daemon's ssh connection|its rank went silent)"
+
+
+def test_crashed_host_is_left_out_on_the_failures_evidence_without_an_ssh_check(cluster4, tmp_path):
+    """A host that crashes (its connections close) while a spare waits: the failure names it, so
+    it is left out at once, never waited on for the ssh check's timeout, and nothing of the
+    job is left running anywhere afterwards."""
+    want = reference_w(tmp_path, 3)
+    a, b, c, d = cluster4.hosts
+    token = f"hre-crash-{os.getpid()}-{time.monotonic_ns()}"
+    p = start(cluster4, "-H", host_list(cluster4.hosts), "-np", "3", "--max-restarts", "1",
+              PYTHON, EXAMPLE, "--checkpoint", tmp_path / f"{token}.ckpt", "--steps", "30", "--step-time", "0.2")
+    rc, out, err = lose_at(cluster4, p, r"^step 6 ", b)
+    assert rc == 0, err
+    assert re.search(rf"^dtrun: host {b.name} was lost: {CRASH_EVIDENCE}; rank 1 was on it$", err, re.M), err
+    assert re.search(rf"^dtrun: attempt 2 of 2: {b.name} left out \({CRASH_EVIDENCE}\); .+; "
+                     rf"3 ranks on {a.name}, {c.name}, {d.name} \(spare\)$", err, re.M), err
+    assert "timed out" not in err, err
+    assert re.search(r"attempt 1: 3 ranks, resumed from step \d+", out), out
+    assert final_w(out) == want
+    # dtrun has exited: the ranks are gone, and so are its agents, the lost host's included
+    # (their clean-up there ran on in the background, and ended before dtrun did)
+    assert wait_until_empty(lambda: processes_with(token), timeout=10) == []
+    agents = command_lines(lambda cmd: "agent.py" in cmd and str(cluster4.ssh_config) in cmd)
+    assert agents == [], agents
+
+
 def test_lost_host_with_min_np_goes_on_with_fewer_ranks(cluster4, tmp_path):
     """A host that crashes (its connections close): MPI ends the job, saying it lost a daemon or just
-    exiting 255 (either happens); no spare is left, so 2 ranks go on."""
+    exiting 255 (either happens); no spare is left, and --min-np lets 2 ranks go on without the
+    host, which the failure's evidence names."""
     a, b, c, _ = cluster4.hosts
     p = start(cluster4, "-H", host_list([a, b, c]), "--max-restarts", "1", "--min-np", "2",
               PYTHON, EXAMPLE, "--checkpoint", tmp_path / "ckpt", "--steps", "40", "--step-time", "0.2")
     rc, out, err = lose_at(cluster4, p, r"^step 6 ", c)
     assert rc == 0, err
-    assert re.search(rf"dtrun: attempt 2 of 2: {c.name} left out \(ssh: TCP to {c.name} \(\S+\) timed out after 5 s\); "
+    assert re.search(rf"dtrun: attempt 2 of 2: {c.name} left out \({CRASH_EVIDENCE}\); "
                      rf".+; 2 ranks on {a.name}, {b.name}$",
                      err, re.M), err
     assert re.search(r"attempt 1: 2 ranks, resumed from step \d+", out), out

@@ -5,6 +5,12 @@ stopped job left there.
 Only processes proven to be the job's are touched: this host's session is the one dtrun
 started mpirun in; on the other hosts the agent kills only ranks the job directory lists
 and the daemons that started them (it checks each against /proc itself).
+
+Each round of agents (``AgentRound``) is bounded by its budget whatever the network does, and
+may be waited for host by host: the restart loop waits only for the hosts its next attempt
+uses, and the reap after a job that ended by itself runs on while dtrun goes on. Every round
+still in flight is waited for before dtrun exits (``wait_agents``; its threads are not daemons,
+so the interpreter waits for them too), and what it started is killed at its deadline.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Iterable, Optional, Sequence
 
@@ -73,9 +80,16 @@ def kill_leftovers(job, hosts: Sequence[str], nspace: str = "", budget: float = 
     Bounded by ``budget`` seconds in all, whatever the network does (a silent host's ssh
     client is killed when it runs out).
     """
-    hosts = list(dict.fromkeys(hosts))
-    if hosts:
-        run_host_agents(job, "kill", hosts, budget, (nspace,) if nspace else ())
+    start_kill(job, hosts, nspace, budget).wait()
+
+
+def start_kill(job, hosts: Sequence[str], nspace: str = "", budget: float = 5.0) -> "AgentRound":
+    """``kill_leftovers`` started, not waited for: the caller waits for the hosts it needs
+    (``AgentRound.wait``); the others end within ``budget`` seconds, and before dtrun exits."""
+    # The reap that ended the job (HangWatch) already kills what this would on the hosts it
+    # answers from: one agent per host, not two, on hosts a failed job has just loaded.
+    after = _reap_of(job, nspace) if nspace else None
+    return AgentRound(job, "kill", hosts, budget, (nspace,) if nspace else (), after=after)
 
 
 def reap_remote_daemons(job, hosts: Sequence[str], nspace: str, budget: float = 3.0) -> None:
@@ -85,24 +99,33 @@ def reap_remote_daemons(job, hosts: Sequence[str], nspace: str, budget: float = 
     failing rank on a loaded machine); nothing else would ever end it. The agent finds such a
     daemon by ``nspace`` (this job's, and mpirun has ended: no other job's) and the user's uid,
     and gives it a second to exit by itself (one still finalizing normally is not stuck).
-    ``hosts``: the job's hosts other than this one."""
+    ``hosts``: the job's hosts other than this one.
+
+    Started, not waited for: a host that crashed (the usual reason a job ends by itself with
+    a failure) would hold the end of the job for the whole budget, and a restart after it.
+    It is waited for before dtrun exits (``wait_agents``); what it found is said then at the
+    latest. It touches only the ended job's processes, so a next attempt may start meanwhile."""
     hosts = list(dict.fromkeys(hosts))
     if not (hosts and nspace):
         return
-    for host, answer in zip(hosts, run_host_agents(job, "reap", hosts, budget, (nspace,))):
-        daemons = answer.get("daemons") if answer else None
-        if isinstance(daemons, list) and daemons and all(type(d) is int for d in daemons):
-            print(f"dtrun: {host}: the job's MPI daemon was still running after the job ended (pid "
-                  f"{', '.join(map(str, daemons[:4]))}: Open MPI 5's prted can deadlock in PMIx's finalize); "
-                  "dtrun ended it", file=sys.stderr)
+    AgentRound(job, "reap", hosts, budget, (nspace,), on_answer=_say_reaped)
+
+
+def _say_reaped(host: str, answer: Optional[dict]) -> None:
+    daemons = answer.get("daemons") if answer else None
+    if isinstance(daemons, list) and daemons and all(type(d) is int for d in daemons):
+        print(f"dtrun: {host}: the job's MPI daemon was still running after the job ended (pid "
+              f"{', '.join(map(str, daemons[:4]))}: Open MPI 5's prted can deadlock in PMIx's finalize); "
+              "dtrun ended it", file=sys.stderr, flush=True)
 
 
 def tidy_remote_hosts(job, hosts: Sequence[str], budget: float = 3.0) -> None:
     """On ``hosts`` (the job's other hosts) at once, remove what the job's ended ranks left in
-    the job directory there (the agent's ``tidy``); dtrun removes its own host's directory."""
+    the job directory there (the agent's ``tidy``); dtrun removes its own host's directory.
+    Started, not waited for, as the reap (``wait_agents`` before dtrun exits)."""
     hosts = list(dict.fromkeys(hosts))
     if hosts:
-        run_host_agents(job, "tidy", hosts, budget)
+        AgentRound(job, "tidy", hosts, budget)
 
 
 def run_host_agents(job, mode: str, hosts: Iterable[str], budget: float,
@@ -111,28 +134,109 @@ def run_host_agents(job, mode: str, hosts: Iterable[str], budget: float,
     Returns each host's answer (the agent's last output line, a JSON object), in order; None
     where it gave none in time (the shell's profile on that host may print too: only the
     last line counts, and only as data)."""
+    hosts = list(hosts)
+    answers = AgentRound(job, mode, hosts, budget, extra).wait()
+    return [answers.get(h) for h in hosts]
 
-    deadline = time.monotonic() + budget
-    procs: list[Optional[subprocess.Popen]] = []
-    for host in hosts:
+
+# Seconds past its deadline a round's reader waits for a killed agent's pipe to close.
+_PIPE_GRACE_S = 1.0
+_rounds: list["AgentRound"] = []  # rounds started and not yet waited for in full
+_rounds_lock = threading.Lock()
+
+
+class AgentRound:
+    """The agent's ``mode`` on every host of ``hosts`` at once, each answer collected as it
+    comes by a thread of its own. A host's agent that has not answered ``budget`` seconds
+    after the start is killed, with its whole session (a ProxyCommand too); its answer is None.
+    ``on_answer(host, answer)`` is called with each answer, None included.
+
+    ``after``: an earlier round whose answer on a host stands for this one's (a ``reap`` of
+    the same job kills what a ``kill`` would): such a host gets an agent of this round only
+    where the earlier one gave no answer, with what is left of the budget."""
+
+    def __init__(self, job, mode: str, hosts: Iterable[str], budget: float, extra: Sequence[str] = (),
+                 on_answer=None, after: Optional["AgentRound"] = None):
+        self.job, self.mode, self.extra = job, mode, tuple(extra)
+        self.hosts = list(dict.fromkeys(hosts))
+        self.deadline = time.monotonic() + budget
+        self._answers: dict[str, Optional[dict]] = {}
+        self._threads: dict[str, threading.Thread] = {}
+        self._on_answer = on_answer
+        with _rounds_lock:
+            _rounds.append(self)
+        for host in self.hosts:
+            # Not a daemon thread: the interpreter waits for it at exit, and it ends by the deadline.
+            t = threading.Thread(target=self._run, args=(host, after), name=f"dtrun-agent-{mode}-{host}")
+            self._threads[host] = t
+            t.start()
+
+    def _run(self, host: str, after: Optional["AgentRound"]) -> None:
+        if after is not None and host in after.hosts:
+            answer = after.wait([host])[host]  # bounded by that round's deadline
+            if answer is not None or time.monotonic() >= self.deadline:
+                self._answered(host, answer)
+                return
+        left = self.deadline - time.monotonic()
         try:
-            procs.append(subprocess.Popen(agent_argv(job, host, mode, budget, extra), stdout=subprocess.PIPE,
-                                          stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                                          start_new_session=True))
+            p = subprocess.Popen(agent_argv(self.job, host, self.mode, left, self.extra), stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError:
-            procs.append(None)
-    answers: list[Optional[dict]] = []
-    for p in procs:
-        out = b""
-        if p is not None:
+            self._answered(host, None)
+            return
+        try:
+            out, _ = p.communicate(timeout=max(0.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _kill_group(p)
             try:
-                out, _ = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
+                p.communicate(timeout=_PIPE_GRACE_S)
             except subprocess.TimeoutExpired:
                 p.kill()
-                p.communicate()
-                out = b""
-        answers.append(_answer(out))
-    return answers
+                p.wait()
+            out = b""
+        self._answered(host, _answer(out))
+
+    def _answered(self, host: str, answer: Optional[dict]) -> None:
+        self._answers[host] = answer
+        if self._on_answer is not None:
+            try:
+                self._on_answer(host, answer)
+            except Exception:  # a report's failure must not lose the other hosts' answers
+                pass
+
+    def wait(self, hosts: Optional[Iterable[str]] = None) -> dict[str, Optional[dict]]:
+        """The answers of ``hosts`` (default: all), once each has answered or run out of time."""
+        hosts = self.hosts if hosts is None else [h for h in dict.fromkeys(hosts) if h in self.hosts]
+        for h in hosts:
+            self._threads[h].join()
+        if all(not t.is_alive() for t in self._threads.values()):
+            with _rounds_lock:
+                if self in _rounds:
+                    _rounds.remove(self)
+        return {h: self._answers.get(h) for h in hosts}
+
+
+def _reap_of(job, nspace: str) -> Optional[AgentRound]:
+    """The reap of ``job`` still in flight or not yet waited for, if any."""
+    with _rounds_lock:
+        return next((r for r in reversed(_rounds)
+                     if r.mode == "reap" and r.job.dir == job.dir and r.extra == (nspace,)), None)
+
+
+def wait_agents() -> None:
+    """Wait for every round of agents still in flight (each ends by its own deadline)."""
+    with _rounds_lock:
+        rounds = list(_rounds)
+    for r in rounds:
+        r.wait()
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL an agent's ssh client and whatever it started (it leads its own session)."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _answer(out: bytes) -> Optional[dict]:

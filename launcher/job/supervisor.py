@@ -174,8 +174,7 @@ class JobSupervisor:
         kill_session(self.proc.pid)
         pumps.join(timeout=5, drain=self.stop_state is None)
         result = self._result(pumps)
-        for o in self.observers:
-            o.on_end(result)
+        end_observers(self.observers, result)
         return result
 
     def _reap(self) -> None:
@@ -307,6 +306,32 @@ class JobSupervisor:
         quiet = [(r, h) for r, h in sorted(self.started_ranks.items(), key=lambda t: (len(t[0]), t[0]))
                  if r not in heard]
         return quiet if quiet and len(quiet) < len(self.started_ranks) else []
+
+
+def end_observers(observers: Sequence[JobObserver], result: JobResult) -> None:
+    """Every observer's ``on_end`` at once, each in a thread of its own, and wait for all.
+
+    Several wait on the hosts (the straggler watch for its agents' last window, the hang
+    watch for its agents): in turn, a host that crashed would make the job's end wait for
+    each of them, and the reap of what the job left would start only after the others. Each
+    ``on_end`` bounds its own waits. The first error one raised is raised here."""
+    errors: list[BaseException] = []
+
+    def end(o: JobObserver) -> None:
+        try:
+            o.on_end(result)
+        except BaseException as exc:  # handed to the caller's thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=end, args=(o,), name=f"dtrun-end-{type(o).__name__}") for o in observers[1:]]
+    for t in threads:
+        t.start()
+    if observers:
+        end(observers[0])
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def output_cut_short(job: JobSupervisor, eof_ranks: set, succeeded: bool) -> list[str]:

@@ -385,9 +385,37 @@ def _after_last_rank(job_dir, host):
         except OSError:
             pass
     try:
+        os.unlink(os.path.join(job_dir, NOTICE))  # dtrun's notice of a change of hosts (post_notice)
+    except OSError:
+        pass
+    try:
         os.rmdir(job_dir)  # only when empty: on dtrun's own host job.json keeps it
     except OSError:
         pass
+
+
+NOTICE = "hosts.updated"  # launcher/elastic.py's and collectives/horovod/_elastic.py's
+
+
+def post_notice(job_dir, timestamp, kind):
+    """Write dtrun's notice of a change of hosts (``TIMESTAMP added|removed``) in the job
+    directory on this host, whole or not at all; False when the values or the directory
+    are not right (the directory is created private when rank 0 has not made it yet)."""
+    if not (timestamp.isdigit() and len(timestamp) <= 18 and kind in ("added", "removed")):
+        return False
+    try:
+        os.makedirs(job_dir, mode=0o700, exist_ok=True)
+        st = os.lstat(job_dir)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            return False
+        tmp = os.path.join(job_dir, ".%s.%s" % (NOTICE, os.urandom(6).hex()))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("%s %s\n" % (timestamp, kind))
+        os.replace(tmp, os.path.join(job_dir, NOTICE))
+        return True
+    except OSError:
+        return False
 
 
 def _live_dir(job_dir, host):
