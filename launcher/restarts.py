@@ -274,7 +274,20 @@ def repeated_failure(earlier: Mapping[tuple, int], current: Failure, hosts_healt
     while every host passed the check, and does so again: the program's own (alternating
     failures A, B, A stop at the second A). Returns that earlier attempt (0-based), or None.
     ``earlier`` maps the key of each failure on healthy hosts to its first attempt."""
-    return earlier.get(current.key) if hosts_healthy else None
+    if not hosts_healthy:
+        return None
+    return next((n for key, n in earlier.items() if same_failure(key, current.key)), None)
+
+
+def same_failure(a: tuple, b: tuple) -> bool:
+    """Whether two failure keys name the same failure. An exit with a traceback and the same
+    exit code without one are the same: the launcher can lose the output of a rank that
+    aborts the job (Open MPI 5 drops it at times), and that must not make a bug look new."""
+    if a == b:
+        return True
+    ex, plain = (a, b) if a[:1] == ("exception",) else (b, a)
+    return (ex[:1] == ("exception",) and plain[:1] == ("code",) and ex[4] is None and ex[3] == plain[1]
+            and not plain[2])
 
 
 def _ranks_on(rank_hosts: Sequence[str], host: str) -> list[int]:

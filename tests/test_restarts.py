@@ -91,6 +91,15 @@ def test_same_exception_on_another_rank_is_the_same_failure():
     assert not same_failure_twice(None, b, hosts_healthy=True)
 
 
+def test_a_lost_traceback_does_not_make_the_same_exit_a_new_failure():
+    seen = failure_of(result(RankFailure("1", "h2", code=1)), ("/x/bug.py:5", "KeyError"))
+    lost = failure_of(result(RankFailure("1", "h2", code=1)))  # its traceback never reached dtrun
+    other = failure_of(result(RankFailure("1", "h2", code=2)))
+    assert same_failure_twice(seen, lost, True) and same_failure_twice(lost, seen, True)
+    assert not same_failure_twice(seen, other, True)
+    assert not same_failure_twice(seen, lost, False)
+
+
 def test_same_exit_code_is_the_same_failure_a_kill_only_on_the_same_rank():
     code = [failure_of(result(RankFailure(r, "h", code=3))) for r in ("0", "1")]
     kill = [failure_of(result(RankFailure(r, "h", signum=signal.SIGKILL, forwarded=False))) for r in ("0", "1", "1")]
