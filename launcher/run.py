@@ -25,7 +25,7 @@ from dtrun.launcher.hangwatch import ON_HANG
 from dtrun.launcher.hostfile import HostSlots
 from dtrun.launcher.hosts import all_local, is_local, resolve_hosts, resolve_np
 from dtrun.launcher.job import stopsignals
-from dtrun.launcher.job.kill import AgentRound, kill_leftovers, start_kill, wait_agents
+from dtrun.launcher.job.kill import AgentRound, kill_leftovers, run_host_agents, start_kill, wait_agents
 from dtrun.launcher.job.result import JobResult, StopReason, root_cause
 from dtrun.launcher.launch import AttemptSetup, LaunchOptions, Preflight, check_seconds
 from dtrun.launcher.paths import new_run_id
@@ -35,6 +35,8 @@ from dtrun.launcher.restarts import (ErrorWatch, Failure, HostCheck, NotEnoughSl
 
 # Seconds the kill agents get to stop what is left of a failed attempt on its hosts.
 CLEANUP_BUDGET_S = 5.0
+# Seconds the host agents get to remove a failed run's elastic commits.
+FORGET_BUDGET_S = 3.0
 # Seconds `ssh -G` gets to say where each host's name leads (no network: it reads the config).
 SSH_CONFIG_TIMEOUT_S = 2.0
 
@@ -72,6 +74,7 @@ def launch(opts: LaunchOptions, preflight: Optional[Preflight] = None, host_chec
     loop = _Run(opts, preflight, host_check, os.environ if environ is None else environ, timings)
     if not loop.restarts:
         return loop.one()  # a stop signal outside the job ends dtrun in cli.main
+    code = None
     try:
         while True:
             code = loop.one()
@@ -79,7 +82,12 @@ def launch(opts: LaunchOptions, preflight: Optional[Preflight] = None, host_chec
                 return code
     except stopsignals.Stopped as exc:
         _say(f"dtrun: stopped by {signal_name(exc.signum)} between attempts; no further attempt")
-        return stopsignals.exit_code(exc.signum)
+        code = stopsignals.exit_code(exc.signum)
+        return code
+    finally:
+        if code != 0:
+            with stopsignals.held():
+                loop.forget_commits()
 
 
 def _say(line: str) -> None:
@@ -102,12 +110,14 @@ class _Run:
         self.min_np = self.np = None
         self.first: tuple[str, ...] = ()
         self.base_id = None  # --log-dir: the run's subdirectory name, each attempt's with its number
-        # hvd.elastic's commits are kept per run on each host (collectives/commitstore.py)
+        # hvd.elastic's commits are kept per run on each host (dtrun/commitstore.py)
         self.run_id = new_run_id()
         self.discovery = opts.host_discovery_script  # launcher/elastic.py
         self.max_np = opts.max_np
         self.flaps = elastic.FlapRule()
         self.resets = 0  # attempts started for a change of hosts (not counted by --max-restarts)
+        self.ran_on: dict[str, None] = {}  # every host an attempt ran on, in order
+        self.last_job = None  # the last attempt's record: how its host agents are reached
         if self.restarts:
             self.selection = resolve_hosts(opts.hosts, environ)
             self.spares, self.min_np = check_options(opts, self.selection)
@@ -148,6 +158,8 @@ class _Run:
             hosts_watch = self._host_watch(job_dir)
             observers = (watch,) if hosts_watch is None else (watch, hosts_watch)
             att = run_attempt(opts, setup, self.preflight, observers, cleanup=not self.restarts)
+            self.ran_on.update(dict.fromkeys(att.hosts))
+            self.last_job = att.job or self.last_job
             if self.timings is not None:
                 self.timings.detected.append(time.monotonic())
             if att.code == 0 or att.result is None:
@@ -277,6 +289,13 @@ class _Run:
                                 mpi_args=" ".join(filter(None, (self.opts.mpi_args, "--overlap"))))
         _say(attempt_line(self.n - self.resets + 1, self.total, failure, dict(bad), self.plan))
         return None
+
+    def forget_commits(self) -> None:
+        """The run ended without success: remove its hvd.elastic commits (dtrun/commitstore.py)
+        on the hosts it ran on and can still reach. (After a success the ranks removed them.)"""
+        hosts = [h for h in self.ran_on if h not in self.left_out]
+        if self.last_job is not None and hosts:
+            run_host_agents(self.last_job, "forget", hosts, FORGET_BUDGET_S, (self.run_id,))
 
     # -- elastic runs (--host-discovery-script, launcher/elastic.py)
     def _host_watch(self, job_dir: str) -> Optional[elastic.HostWatch]:

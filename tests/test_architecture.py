@@ -4,7 +4,8 @@
   may import everything);
 * ``collectives/`` (the runtime on every rank) imports neither ``launcher/`` nor ``checks/``;
 * ``launcher/remote/`` (what runs on other hosts) imports only the standard library, itself and
-  the formats it shares with the runtime (``dtrun/recorderfile.py``, standard library only);
+  the formats it shares with the runtime (``dtrun/recorderfile.py``, ``dtrun/commitstore.py``,
+  standard library only);
 * no import cycle between modules of ``launcher/``, ``checks/`` and ``collectives/``;
 * no function over 60 lines there unless a ``# long: <reason>`` comment says why.
 
@@ -23,7 +24,7 @@ FORBIDDEN = {"launcher": {"checks"}, "checks": set(), "collectives": {"launcher"
 EXEMPT = {"launcher/cli.py"}
 REMOTE = "launcher.remote"
 # Formats the runtime and the remote code share, at the top of the dtrun package (dtrun/).
-SHARED = {"dtrun.recorderfile"}
+SHARED = {"dtrun.recorderfile", "dtrun.commitstore"}
 # Third-party modules the remote code may try inside ``try:``: the doctor's probe reports whether
 # the job's Python can import them, and a failure there is its finding, not a crash.
 PROBED = {"mpi4py"}

@@ -1,6 +1,6 @@
 """Elastic runs: ``hvd.elastic`` commits kept on each host, a lost host costing a commit, not a
 checkpoint, and ``--host-discovery-script`` growing the job (launcher/elastic.py,
-collectives/horovod/_elastic.py, collectives/commitstore.py).
+collectives/horovod/_elastic.py, dtrun/commitstore.py).
 
 The pure rules are tested by value; the rest with real dtrun, real mpirun and, for hosts,
 network-namespace hosts with real faults (tests/test_restarts_cluster.py's ``lose``).
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from dtrun.collectives import commitstore
+from dtrun import commitstore
 from dtrun.launcher import elastic
 from dtrun.launcher.errors import UsageError
 from dtrun.launcher.hostfile import HostSlots
@@ -251,6 +251,22 @@ def test_a_killed_rank_resumes_from_the_last_commit_with_the_same_result(tmp_pat
     weights, sizes = _final(p.stdout)
     assert sizes == {2} and set(weights.values()) == {want}, p.stdout
     assert os.listdir(cache / "dtrun" / "commits") == []  # the run ended well: its commits are gone
+
+
+@pytest.mark.mpi
+def test_a_run_that_fails_for_good_leaves_no_commit_behind(tmp_path):
+    cache = tmp_path / "cache"
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nimport horovod.torch as hvd\nhvd.init()\n"
+                      "@hvd.elastic.run\ndef train(state):\n    state.commit()\n    hvd.barrier()\n"
+                      "    if hvd.rank() == 1:\n        sys.exit(3)\n    hvd.barrier()\n"
+                      "train(hvd.elastic.ObjectState(hvd.broadcast_object, hvd.rank, step=0))\n")
+    p = dtrun("--horovod", "-np", 2, "--max-restarts", 3, PYTHON, script, timeout=240,
+              env=user_env(XDG_CACHE_HOME=str(cache)))
+    assert p.returncode == 3, p.stderr
+    assert "not restarting: the same failure twice in a row" in p.stderr, p.stderr
+    assert "resumed from commit 1" in p.stderr, p.stderr  # the second attempt found the first's commit
+    assert os.listdir(cache / "dtrun" / "commits") == []
 
 
 @pytest.mark.mpi

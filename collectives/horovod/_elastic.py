@@ -6,7 +6,7 @@ dtrun an MPI job cannot change its members, so a change of hosts is a new attemp
 run, and the training state travels through commits:
 
 * ``state.commit()`` keeps the state in memory (``restore()`` returns to it) and, when dtrun
-  restarts the run (``--max-restarts``), on each host's own disk (collectives/commitstore.py);
+  restarts the run (``--max-restarts``), on each host's own disk (dtrun/commitstore.py);
 * when a host is lost, dtrun starts the next attempt without it; ``hvd.elastic.run`` finds the
   newest commit on the hosts that remain and broadcasts it from there: the job goes on from
   its last commit, without a checkpoint file or a shared directory;
@@ -31,7 +31,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from .. import commitstore
+from dtrun import commitstore
 from . import _core
 from ._engine import HorovodInternalError, HostsUpdatedInterrupt
 

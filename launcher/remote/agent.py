@@ -27,6 +27,9 @@ finalize, which it finds by the job's namespace and gives a second to exit by it
 ``python3 -S agent.py notice JOB_DIR SECONDS TIMESTAMP added|removed`` posts dtrun's notice of a
 change of hosts (launcher/elastic.py) in the job directory on this host, where rank 0 reads it.
 
+``python3 -S agent.py forget JOB_DIR SECONDS RUN_ID`` removes this host's ``hvd.elastic`` commits
+of a run that is over (dtrun/commitstore.py), when its directories are this user's own.
+
 ``python3 -S agent.py tidy JOB_DIR`` removes what the job's ended ranks left in the job
 directory on this host (rankstate.tidy): after a failed job, on a host that does not share it.
 
@@ -52,7 +55,7 @@ import socket
 import threading
 import time
 
-from dtrun import recorderfile
+from dtrun import commitstore, recorderfile
 
 from . import procfs, rankstate, sessiondirs, waitsampler
 from .procfs import proc_info
@@ -327,8 +330,8 @@ def _sweep_after(daemons, wait_s=0.5):
 
 
 def main(argv):
-    if len(argv) < 2 or argv[0] not in ("dump", "watch", "kill", "reap", "tidy", "sample", "notice"):
-        sys.stderr.write("usage: agent.py dump|watch|kill|reap|tidy|sample|notice JOB_DIR [SECONDS]\n")
+    if len(argv) < 2 or argv[0] not in ("dump", "watch", "kill", "reap", "tidy", "sample", "notice", "forget"):
+        sys.stderr.write("usage: agent.py dump|watch|kill|reap|tidy|sample|notice|forget JOB_DIR [SECONDS]\n")
         return 2
     mode, job_dir = argv[0], argv[1]
     seconds = float(argv[2]) if len(argv) > 2 else (2.0 if mode == "dump" else 1.0)
@@ -336,6 +339,10 @@ def main(argv):
         rate = float(argv[3]) if len(argv) > 3 else 10.0
         via = argv[4] if len(argv) > 4 else "auto"  # "faulthandler" (no py-spy), "proc" (no stacks)
         return waitsampler.run(job_dir, seconds, rate, via, once="once" in argv[5:])
+    if mode == "forget":
+        forgot = len(argv) == 4 and commitstore.forget(argv[3])
+        sys.stdout.write(json.dumps({"host": socket.gethostname(), "forgot": forgot}) + "\n")
+        return 0
     if mode == "notice":
         posted = len(argv) == 5 and rankstate.post_notice(job_dir, argv[3], argv[4])
         sys.stdout.write(json.dumps({"host": socket.gethostname(), "posted": posted}) + "\n")

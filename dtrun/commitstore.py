@@ -19,16 +19,13 @@ check against damage: the ownership checks are what keep out other users). Only 
 unpickled: nobody but this user could have written it.
 """
 
-from __future__ import annotations
-
 import os
 import re
 import secrets
 import socket
 import stat
+import typing
 import zlib
-from dataclasses import dataclass
-from typing import Optional
 
 RUN_ID_ENV = "DTRUN_RUN_ID"
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,99}")
@@ -43,8 +40,7 @@ class CommitStoreError(OSError):
     """The host's commit directory or file is not one only this user could have written."""
 
 
-@dataclass(frozen=True)
-class Commit:
+class Commit(typing.NamedTuple):
     seq: int  # commits made in the run so far, this one included
     size: int  # ranks in the job that made it
     payload: bytes
@@ -55,7 +51,7 @@ def cache_root(environ=os.environ) -> str:
     return os.path.join(base, "dtrun")
 
 
-def run_id(environ=os.environ) -> Optional[str]:
+def run_id(environ=os.environ) -> typing.Optional[str]:
     """This run's id when dtrun restarts it (``--max-restarts``), else None (no store)."""
     rid = environ.get(RUN_ID_ENV, "")
     return rid if _RUN_ID_RE.fullmatch(rid) else None
@@ -64,7 +60,7 @@ def run_id(environ=os.environ) -> Optional[str]:
 class Store:
     """One host's commits of one run."""
 
-    def __init__(self, run: str, root: Optional[str] = None, host: Optional[str] = None):
+    def __init__(self, run: str, root: typing.Optional[str] = None, host: typing.Optional[str] = None):
         if not _RUN_ID_RE.fullmatch(run):
             raise ValueError(f"{RUN_ID_ENV}={run!r}: not a run id")
         host = host or socket.gethostname()
@@ -116,7 +112,7 @@ class Store:
                 pass
             raise
 
-    def read(self) -> Optional[Commit]:
+    def read(self) -> typing.Optional[Commit]:
         """This host's last commit, None when there is none.
 
         Raises:
@@ -190,7 +186,16 @@ def _check_private_dir(path: str) -> None:
                                f"(chmod 700 {path}) or remove it")
 
 
-def for_this_run(environ=os.environ) -> Optional[Store]:
+def for_this_run(environ=os.environ) -> typing.Optional[Store]:
     """This host's store when dtrun restarts the run, else None."""
     rid = run_id(environ)
     return Store(rid, cache_root(environ)) if rid else None
+
+
+def forget(run: str, environ=os.environ) -> bool:
+    """Remove this host's commits of the run ``run`` (the run is over); False for a bad id."""
+    try:
+        Store(run, cache_root(environ)).remove()
+    except ValueError:
+        return False
+    return True
