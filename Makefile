@@ -71,6 +71,7 @@ bench: setup
 	@if [ -f benchmarks/bench_doctor.py ]; then $(BIN)/python benchmarks/bench_doctor.py; fi
 	$(BIN)/python benchmarks/bench_hang.py
 	@if [ "$$(id -u)" = 0 ]; then $(BIN)/python benchmarks/bench_restarts.py --hosts 3; else echo "bench_restarts: needs root (namespace hosts)"; fi
+	$(BIN)/python benchmarks/bench_elastic.py
 	@if [ "$$(id -u)" = 0 ]; then $(BIN)/python benchmarks/bench_output.py; else echo "bench_output: needs root (namespace hosts)"; fi
 	$(BIN)/python benchmarks/bench_straggler.py
 	@if $(BIN)/python -c 'import torch' 2>/dev/null; then $(BIN)/python benchmarks/bench_ddp.py; \
