@@ -72,13 +72,31 @@ def lose(host, silent_first=False):
 
     if silent_first:
         drop()
-    for pid in nscluster._netns_pids(host.netns):
+    killed = nscluster._netns_pids(host.netns)
+    for pid in killed:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     if not silent_first:
+        # A killed process closes its sockets as it exits, after the signal is sent: drop the
+        # traffic only once each is gone (or a zombie, its files closed), or its FIN may be
+        # dropped and the crash looks like a power loss (only a timeout would notice).
+        _wait_exited(killed)
         drop()
+
+
+def _wait_exited(pids, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rpartition(")")[2].split()[0] in ("Z", "X"):
+                        break
+            except OSError:
+                break  # gone
+            time.sleep(0.005)
 
 
 def revive(cluster, host):
