@@ -31,7 +31,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from tests.dtrun_helpers import BIN, DTRUN, PYTHON, result_records, user_env  # noqa: E402
+sys.path.insert(0, str(REPO / "benchmarks"))
+from tests.dtrun_helpers import DTRUN, PYTHON, result_records, user_env  # noqa: E402
 
 REPS = int(os.environ.get("BENCH_REPS", "3"))
 EXAMPLE = str(REPO / "examples" / "elastic_torch.py")
@@ -108,8 +109,8 @@ def recovery(cluster) -> float:
     try:
         for line in p.stdout:
             if fault is None and line.startswith("step 10 "):
+                fault = time.monotonic()  # the kill comes first in lose(); the traffic drop follows
                 lose(victim)
-                fault = time.monotonic()
             elif fault is not None and line.startswith("start at step"):
                 resumed = True
             elif resumed and first is None and line.startswith("step "):
@@ -156,23 +157,10 @@ def join(cluster, tmp: Path, i: int) -> dict:
 
 def by_hand(cluster) -> float:
     """Bare mpirun of the example on 3 hosts: start to first step."""
-    hosts = cluster.hosts[:3]
-    argv = [str(BIN / "mpirun"), "--allow-run-as-root", "--prtemca", "plm_ssh_args", f"-F {cluster.ssh_config}",
-            "--prtemca", "prte_if_include", cluster.subnet, "--mca", "btl_tcp_if_include", cluster.subnet,
-            "--mca", "pml", "ob1", "--mca", "btl", "self,tcp", "-H", ",".join(f"{h.name}:1" for h in hosts),
-            "-np", "3", "-x", f"PYTHONPATH={REPO / 'collectives' / 'horovod' / '_alias'}", PYTHON, EXAMPLE,
-            "--steps", "3"]
-    t0 = time.monotonic()
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=user_env(),
-                         start_new_session=True)
-    first = None
-    for line in p.stdout:
-        if first is None and line.startswith("step "):
-            first = time.monotonic() - t0
-    p.wait(timeout=120)
-    if first is None:
-        raise SystemExit(f"bare mpirun printed no step (exit {p.returncode})")
-    return first
+    from bench_restarts import bare_first_step
+
+    alias = REPO / "collectives" / "horovod" / "_alias"
+    return bare_first_step(cluster, cluster.hosts[:3], [PYTHON, EXAMPLE, "--steps", "3"], ("-x", f"PYTHONPATH={alias}"))
 
 
 def main() -> int:

@@ -76,8 +76,8 @@ def one_run(cluster, tmp: Path, i: int) -> dict:
     try:
         for line in p.stdout:
             if fault is None and line.startswith("step 6 "):
+                fault = time.monotonic()  # the kill comes first in lose(); the traffic drop follows
                 lose(victim)
-                fault = time.monotonic()
             elif line.startswith("attempt 1:"):
                 restarted = True
             elif restarted and first_step is None and line.startswith("step "):
@@ -98,11 +98,16 @@ def one_run(cluster, tmp: Path, i: int) -> dict:
 def by_hand(cluster, tmp: Path, i: int) -> float:
     """Bare mpirun on the reduced host list (the lost host left out by hand): start to first step."""
     hosts = [h for j, h in enumerate(cluster.hosts) if j != 1]
-    mpirun = str(BIN / "mpirun")
-    argv = [mpirun, "--allow-run-as-root", "--prtemca", "plm_ssh_args", f"-F {cluster.ssh_config}",
+    return bare_first_step(cluster, hosts, [PYTHON, EXAMPLE, "--checkpoint", str(tmp / f"hand{i}"), "--steps", "3"])
+
+
+def bare_first_step(cluster, hosts, program, extra=()) -> float:
+    """Seconds from starting bare mpirun with ``program`` on ``hosts`` (one rank each) to its
+    first ``step`` line (benchmarks/bench_elastic.py uses it too)."""
+    argv = [str(BIN / "mpirun"), "--allow-run-as-root", "--prtemca", "plm_ssh_args", f"-F {cluster.ssh_config}",
             "--prtemca", "prte_if_include", cluster.subnet, "--mca", "btl_tcp_if_include", cluster.subnet,
             "--mca", "pml", "ob1", "--mca", "btl", "self,tcp", "-H", ",".join(f"{h.name}:1" for h in hosts),
-            "-np", str(len(hosts)), PYTHON, EXAMPLE, "--checkpoint", str(tmp / f"hand{i}"), "--steps", "3"]
+            "-np", str(len(hosts)), *extra, *program]
     t0 = time.monotonic()
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=user_env(),
                          start_new_session=True)
@@ -112,7 +117,7 @@ def by_hand(cluster, tmp: Path, i: int) -> float:
             first = time.monotonic() - t0
     p.wait(timeout=120)
     if first is None:
-        raise SystemExit(f"bare mpirun run {i} printed no step (exit {p.returncode})")
+        raise SystemExit(f"bare mpirun printed no step (exit {p.returncode})")
     return first
 
 

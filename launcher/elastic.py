@@ -23,9 +23,7 @@ tested by value; ``HostWatch`` is the thread that applies them during an attempt
 """
 from __future__ import annotations
 
-import json
 import os
-import secrets
 import subprocess
 import sys
 import threading
@@ -38,6 +36,8 @@ from dtrun.launcher.errors import UsageError
 from dtrun.launcher.hostfile import HostSlots, _parse_slots, validate_hostname
 from dtrun.launcher.hosts import is_local, merge_duplicates
 from dtrun.launcher.job.kill import run_host_agents
+from dtrun.launcher.job.observer import JobObserver
+from dtrun.launcher.paths import atomic_write
 from dtrun.launcher.job.result import root_cause
 from dtrun.launcher.safe import MAX_RANKS, count
 
@@ -176,20 +176,8 @@ def notice_text(kind: str, now: Optional[float] = None) -> str:
 
 
 def write_notice(job_dir: str, text: str) -> None:
-    """Put the notice in ``job_dir`` (this host), whole or not at all."""
-    os.makedirs(job_dir, mode=0o700, exist_ok=True)
-    tmp = os.path.join(job_dir, f".{NOTICE}.{secrets.token_hex(6)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, os.path.join(job_dir, NOTICE))
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """Put the notice in ``job_dir`` (this host's, private), whole or not at all."""
+    atomic_write(os.path.join(job_dir, NOTICE), text)
 
 
 def post_notice(job_dir: str, host: str, kind: str, budget: float = 5.0) -> bool:
@@ -209,7 +197,7 @@ def post_notice(job_dir: str, host: str, kind: str, budget: float = 5.0) -> bool
     return bool(answer and answer.get("posted") is True)
 
 
-class HostWatch:
+class HostWatch(JobObserver):
     """A job observer: runs the discovery script every ``interval`` seconds while the attempt
     runs and posts the first change that matters (``host_change``) to rank 0's host.
 
@@ -231,22 +219,9 @@ class HostWatch:
         self._warned = ""
         self._said_barred: set = set()
 
-    # JobObserver
     def on_start(self, job) -> None:
         self._thread = threading.Thread(target=self._loop, name="dtrun-discovery", daemon=True)
         self._thread.start()
-
-    def on_output(self, stream, data) -> None:
-        pass
-
-    def on_rank_start(self, rank, host) -> None:
-        pass
-
-    def on_rank_exit(self, failure) -> None:
-        pass
-
-    def on_signal(self, signum) -> bool:
-        return False
 
     def planned_end(self, result) -> bool:
         """Whether the job ended as asked: every rank left at a commit after the notice."""

@@ -168,7 +168,7 @@ class _Run:
                 if not att.cleaned:
                     with stopsignals.held():
                         _cleanup(att, att.hosts)
-                return self._reset(hosts_watch.posted)
+                return self._reset(hosts_watch.posted, att.hosts)
             if self.discovery:
                 self._refresh()
             failure = failure_of(att.result, watch.exception(), self.opts.on_hang, _timed_out(att.result))
@@ -347,14 +347,15 @@ class _Run:
             raise NotEnoughSlots(f"{exc} (left out: {gone})") from None
         self.plan = plan_hosts(self.selection.hosts, (), list(out), n, None, self.opts.oversubscribe, self.first)
 
-    def _reset(self, change: elastic.Change) -> Optional[int]:
+    def _reset(self, change: elastic.Change, before: Sequence[str]) -> Optional[int]:
         """Every rank left at a commit after dtrun posted ``change``: the next attempt runs on the
-        hosts listed now and resumes from that commit. The exit code when none can."""
+        hosts listed now and resumes from that commit. The exit code when none can. The hosts
+        of the attempt that just ended well (``before``) are not checked again."""
         for h in change.removed:
             self.flaps.record(h)
         self._refresh()
         try:
-            self._plan_listed((), {})
+            self._plan_listed([h for h in before if h not in change.removed], {})
         except NotEnoughSlots as exc:
             _say(f"dtrun: not restarting: {exc}; the hosts changed ({change.words()}) (exit code "
                  f"{int(ExitCode.RESTARTS)})")

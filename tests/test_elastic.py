@@ -220,6 +220,20 @@ def test_the_host_agent_posts_the_notice(tmp_path):
     assert (job / elastic.NOTICE).read_text() == "777 added\n"
 
 
+def test_the_host_agent_forgets_a_runs_commits(tmp_path):
+    import socket
+
+    agent = REPO / "launcher" / "remote" / "agent.py"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    store = commitstore.Store("run-9", str(tmp_path / "cache" / "dtrun"), host=socket.gethostname())
+    store.write(1, 2, b"x")
+    for run, forgot in (("../x", "false"), ("run-9", "true")):
+        p = subprocess.run([sys.executable, "-S", str(agent), "forget", str(tmp_path / "job"), "5", run], env=env,
+                           cwd=tmp_path, capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0 and f'"forgot": {forgot}' in p.stdout, p
+    assert os.listdir(tmp_path / "cache" / "dtrun" / "commits") == []
+
+
 # ---- localhost: a killed rank costs the steps since the last commit ------------------------------
 
 def _final(out):

@@ -1,6 +1,7 @@
 """launcher/remote/: what runs on other hosts uses the standard library only, starts as a
 script without site-packages, shares its marker format with the launcher, and reads the flight
-recorder in the format the runtime writes (dtrun/recorderfile.py, which neither side owns)."""
+recorder and the elastic commits in the formats the runtime writes (dtrun/recorderfile.py,
+dtrun/commitstore.py, which neither side owns)."""
 import ast
 import json
 import os
@@ -21,7 +22,7 @@ MODULES = sorted(p.stem for p in REMOTE.glob("*.py") if p.stem != "__init__")
 # the job's Python can load mpi4py.
 REPORTED = {("probe", "mpi4py")}
 # Formats shared with the runtime: standard library only, at the top of the dtrun package.
-SHARED = {"dtrun.recorderfile"}
+SHARED = {"dtrun.recorderfile", "dtrun.commitstore"}
 
 
 def imported(path):
@@ -59,8 +60,9 @@ def test_imports_only_the_standard_library_and_itself(name):
 
 
 @pytest.mark.parametrize("name", sorted(SHARED))
-def test_the_shared_formats_import_nothing(name):
-    assert imported(REPO / (name.replace(".", "/") + ".py")) == []
+def test_the_shared_formats_import_only_the_standard_library(name):
+    names = imported(REPO / (name.replace(".", "/") + ".py"))
+    assert [m for m in names if m.split(".")[0] not in sys.stdlib_module_names] == []
 
 
 def test_launcher_package_imports_nothing():
@@ -78,7 +80,7 @@ def run_script(tmp_path, name, *args, stdin=None):
 
 def test_agent_starts_as_a_script(tmp_path):
     p = run_script(tmp_path, "agent")
-    assert (p.returncode, p.stderr) == (2, "usage: agent.py dump|watch|kill|reap|tidy|sample JOB_DIR [SECONDS]\n")
+    assert (p.returncode, p.stderr) == (2, "usage: agent.py dump|watch|kill|reap|tidy|sample|notice|forget JOB_DIR [SECONDS]\n")
     p = run_script(tmp_path, "agent", "tidy", str(tmp_path / "none"))
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["tidied"] == []
