@@ -239,7 +239,7 @@ def _resume(state: State) -> bool:
     if j.local_rank == 0:
         try:
             found = store.read()
-        except commitstore.CommitStoreError as exc:
+        except OSError as exc:  # CommitStoreError too: every rank must reach the allgather below
             problem = str(exc)
     seqs = _core.allgather_object((found.seq if found else -1, problem, socket.gethostname()),
                                   name="dtrun.elastic.seqs")
