@@ -23,7 +23,7 @@ from dtrun.launcher.allocwatch import watch_allocation
 from dtrun.launcher.dryrun import dry_run_text, launch_notes, verbose_text
 from dtrun.launcher.errors import ExitCode, UsageError, signal_exit_code
 from dtrun.launcher.hangwatch import HangWatch
-from dtrun.launcher.hosts import HostSelection
+from dtrun.launcher.hosts import HostSelection, is_local
 from dtrun.launcher.job import stopsignals, supervisor
 from dtrun.launcher.job.kill import pmix_namespace
 from dtrun.launcher.job.observer import JobObserver
@@ -31,6 +31,8 @@ from dtrun.launcher.job.result import JobResult, expected_hosts
 from dtrun.launcher.jobstate import JobInfo
 from dtrun.launcher.launch import AttemptSetup, LaunchOptions, Preflight, PreparedLaunch, check_seconds, prepare, warn
 from dtrun.launcher.remote import sessiondirs
+from dtrun.launcher.sshmux import Masters
+from dtrun.launcher.sshnames import SshNames
 from dtrun.launcher.straggler import StragglerWatch
 from dtrun.launcher.top import live_table
 
@@ -50,22 +52,31 @@ class AttemptOutcome:
     in_slurm: bool = False  # inside a Slurm allocation
     ended: bool = False  # Slurm ended the allocation or step (scancel): never restarted
     cleaned: bool = False  # the attempt already stopped its leftovers on every host
+    ssh_names: Optional[SshNames] = None  # where each remote host's name leads over ssh (run_attempt's ssh_names)
 
 
 def run_attempt(opts: LaunchOptions, setup: AttemptSetup = AttemptSetup(), preflight: Optional[Preflight] = None,
-                observers: Sequence[JobObserver] = (), cleanup: bool = True) -> AttemptOutcome:
+                observers: Sequence[JobObserver] = (), cleanup: bool = True, ssh_names: bool = False,
+                masters: Optional[Masters] = None) -> AttemptOutcome:
     """Run (or with --dry-run, print) one attempt of the job (``preflight``: see ``launch.prepare``).
 
     ``cleanup=False`` leaves the clean-up after a failure to the run, which first checks the
-    hosts (a signal still cleans up here)."""
+    hosts (a signal still cleans up here). ``ssh_names``: find where the remote hosts' names
+    lead over ssh while the job runs (launcher/sshnames.py), for the run's recovery. ``masters``:
+    the run's ssh master connections (launcher/sshmux.py), opened to this attempt's remote hosts."""
     prepared = prepare(opts, preflight=preflight, setup=setup)
     if opts.dry_run:
         print(dry_run_text(opts, prepared))
         return AttemptOutcome(ExitCode.OK)
     _before_start(opts, prepared)
     sweep = _sweeps_session_dirs(prepared)
-    job, watches = _watches(opts, prepared, setup.job_dir, sweep)
+    job, watches = _watches(opts, prepared, setup.job_dir, sweep, cleanup)
     spec, launcher_choice = prepared.spec, prepared.launcher_choice
+    remote = [h.host for h in spec.hosts if not is_local(h.host)]
+    over_ssh = bool(remote) and launcher_choice.launcher != "srun"
+    names = SshNames(spec.ssh_config, remote) if ssh_names and over_ssh else None
+    if masters is not None and over_ssh:
+        masters.start(remote, spec.ssh_config)
     expected = expected_hosts(spec.hosts, spec.np) if spec.rank_wrapper else []
     allocation = launcher_choice.allocation
     stop_watch = watch_allocation(allocation.job_id, environ=os.environ) if allocation else None
@@ -90,7 +101,7 @@ def run_attempt(opts: LaunchOptions, setup: AttemptSetup = AttemptSetup(), prefl
     return AttemptOutcome(signal_exit_code(signal.SIGTERM) if ended else result.returncode, result, job, nspace,
                           prepared.selection, tuple(expected_hosts(spec.hosts, spec.np)),
                           tuple(h.host for h in spec.hosts), srun=launcher_choice.launcher == "srun",
-                          in_slurm=allocation is not None, ended=ended, cleaned=cleaned)
+                          in_slurm=allocation is not None, ended=ended, cleaned=cleaned, ssh_names=names)
 
 
 def _time_left(opts: LaunchOptions, setup: AttemptSetup) -> Optional[float]:
@@ -128,9 +139,10 @@ def _sweeps_session_dirs(prepared: PreparedLaunch) -> bool:
 
 
 def _watches(opts: LaunchOptions, prepared: PreparedLaunch, job_dir: Optional[str],
-             sweep: bool) -> tuple[Optional[JobInfo], tuple[JobObserver, ...]]:
+             sweep: bool, cleanup: bool = True) -> tuple[Optional[JobInfo], tuple[JobObserver, ...]]:
     """(the job's record or None, what watches the job beside the supervisor): the session
-    lock, and with a job directory the straggler watch and the hang watch."""
+    lock, and with a job directory the straggler watch and the hang watch (``cleanup``: as
+    run_attempt's; False, the run stops what a failed job leaves, and the hang watch need not)."""
     # mpirun's own directory is locked while it runs: only then may a sweep from any pid
     # namespace that shares this temporary directory tell it from a killed job's.
     watches: tuple[JobObserver, ...] = (sessiondirs.LauncherLock(),) if sweep else ()
@@ -141,7 +153,8 @@ def _watches(opts: LaunchOptions, prepared: PreparedLaunch, job_dir: Optional[st
                          prepared.flavor.label, spec.program)
     # Reaping a job's stuck daemons after its end goes over ssh; inside a Slurm allocation
     # the daemons ran as a Slurm step, which Slurm ends itself (and ssh may be blocked there).
-    hang = HangWatch(job, opts.hang_timeout, opts.on_hang, reap_daemons=sweep and prepared.launcher_choice.allocation is None)
+    hang = HangWatch(job, opts.hang_timeout, opts.on_hang, reap_daemons=sweep and prepared.launcher_choice.allocation is None,
+                     cleanup_follows=not cleanup)
     # the straggler finding at the end; the hang watch last, as its end may wait on ssh
     return job, watches + (StragglerWatch(job, table=live_table if opts.top else None), hang)
 

@@ -54,6 +54,7 @@ class LaunchSpec:
     no_tree_spawn: bool = False
     ssh_config: Optional[str] = None
     ssh_wrapper: Optional[str] = None  # MPICH: executable that runs ssh -F CONFIG
+    ssh_control_path: Optional[str] = None  # Open MPI: the run's ssh master connections (launcher/sshmux.py)
     ssh_files: tuple = ()  # sshconf.GeneratedFile: written by the launch, shown by --dry-run
     as_root: bool = False
     rank_wrapper: tuple[str, ...] = ()
@@ -320,11 +321,17 @@ def _openmpi_groups(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
     if osc:
         g.append(ArgGroup(("--mca", "osc", osc[0]), osc[1]))
     g.extend(iface_groups_openmpi(spec, flavor))
+    ssh_args, why = [], []
     if spec.ssh_config:
-        key = ("--prtemca", "plm_ssh_args") if v5 else ("--mca", "plm_rsh_args")
         # Open MPI splits this value on spaces without quoting: the path must be one plain word.
-        g.append(ArgGroup(key + (f"-F {safe.mca_word(spec.ssh_config, 'ssh config path')}",),
-                          "ssh user/port/identity per host"))
+        ssh_args.append(f"-F {safe.mca_word(spec.ssh_config, 'ssh config path')}")
+        why.append("ssh user/port/identity per host")
+    if spec.ssh_control_path:
+        ssh_args.append(f"-o ControlMaster=no -o ControlPath={safe.mca_word(spec.ssh_control_path, 'ssh control path')}")
+        why.append("the daemons' ssh sessions go through the run's open connection to each host")
+    if ssh_args:
+        key = ("--prtemca", "plm_ssh_args") if v5 else ("--mca", "plm_rsh_args")
+        g.append(ArgGroup(key + (" ".join(ssh_args),), "; ".join(why)))
     if spec.no_tree_spawn:
         key = ("--prtemca", "plm_ssh_no_tree_spawn", "1") if v5 else ("--mca", "plm_rsh_no_tree_spawn", "1")
         g.append(ArgGroup(key, "start every daemon from this host: no host needs ssh to another"))

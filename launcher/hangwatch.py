@@ -34,9 +34,13 @@ class HangWatch:
     After a job that ended by itself it ends the daemons or tidies the files left on the other hosts."""
 
     def __init__(self, job: JobInfo, hang_timeout: Optional[float] = None, on_hang: str = "report",
-                 stacks_timeout: float = 5.0, out: Callable[[str], None] = None, reap_daemons: bool = False):
+                 stacks_timeout: float = 5.0, out: Callable[[str], None] = None, reap_daemons: bool = False,
+                 cleanup_follows: bool = False):
         self.job = job
         self.reap_daemons = reap_daemons  # Open MPI 5 over ssh: end its stuck daemons after every job
+        # The run stops what is left of a failed job on every host itself (its kill round, which
+        # tidies too: launcher/run.py), so a failed job needs no reap or tidy from here.
+        self.cleanup_follows = cleanup_follows
         self.hang_timeout = hang_timeout
         self.on_hang = on_hang
         self.nspace = ""  # the job's Open MPI 5 PMIx namespace, once it runs (on_start)
@@ -120,6 +124,8 @@ class HangWatch:
         self.stop()
         if result.launcher == "srun" or result.stop is not None:
             return  # a job dtrun stopped gets kill_leftovers, which tidies too; under srun ssh may be blocked
+        if self.cleanup_follows and result.returncode != 0:
+            return
         others = [h for h in self.job.hosts if not is_local(h)]
         if self.reap_daemons:
             # Open MPI 5: a prted that PMIx deadlocked in its finalize outlives mpirun, ended

@@ -93,6 +93,7 @@ class AttemptSetup:
     selection: Optional[HostSelection] = None  # this attempt's hosts (None: those the options name)
     run_id: Optional[str] = None  # --log-dir: this attempt's subdirectory (None: time and pid)
     deadline: Optional[float] = None  # time.monotonic() when the run's --timeout ends (restarts share it)
+    ssh_control_path: Optional[str] = None  # the run's ssh master connections, for mpirun's ssh (launcher/sshmux.py)
 
 
 def warn(msg: str) -> None:
@@ -234,6 +235,7 @@ def make_spec(opts: LaunchOptions, flavor: Flavor, selection: HostSelection, env
         no_tree_spawn=opts.no_tree_spawn,
         ssh_config=ssh_files.config,
         ssh_wrapper=ssh_files.wrapper,
+        ssh_control_path=setup.ssh_control_path,
         ssh_files=ssh_files.files,
         as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
         rank_wrapper=wrapper,

@@ -12,13 +12,12 @@ of restarts. Like torchrun's ``SimpleElasticAgent._invoke_run``, one owner for t
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Sequence
 
-from dtrun.launcher import elastic, jobstate
+from dtrun.launcher import elastic, jobstate, sshmux
 from dtrun.launcher.attempt import AttemptOutcome, run_attempt
 from dtrun.launcher.errors import ExitCode, UsageError, signal_name
 from dtrun.launcher.hangwatch import ON_HANG
@@ -31,14 +30,18 @@ from dtrun.launcher.launch import AttemptSetup, LaunchOptions, Preflight, check_
 from dtrun.launcher.paths import new_run_id
 from dtrun.launcher.restarts import (ErrorWatch, Failure, HostCheck, NotEnoughSlots, attempt_line, check_options,
                                      failure_of, going_on_without, lost_host_lines, lost_hosts, plan_hosts,
-                                     repeated_failure, slots_left, ssh_hostname)
+                                     repeated_failure, slots_left)
+from dtrun.launcher.sshmux import Masters
+from dtrun.launcher.sshnames import ssh_hostnames
 
 # Seconds the kill agents get to stop what is left of a failed attempt on its hosts.
 CLEANUP_BUDGET_S = 5.0
+# Seconds a restart's check waits for the kill round's answer from a host before it checks
+# that host's sshd instead (a healthy host's agent answers in a tenth of that over the run's
+# ssh connection).
+KILL_ANSWER_WAIT_S = 1.0
 # Seconds the host agents get to remove a failed run's elastic commits.
 FORGET_BUDGET_S = 3.0
-# Seconds `ssh -G` gets to say where each host's name leads (no network: it reads the config).
-SSH_CONFIG_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -85,9 +88,12 @@ def launch(opts: LaunchOptions, preflight: Optional[Preflight] = None, host_chec
         code = stopsignals.exit_code(exc.signum)
         return code
     finally:
-        if code != 0:
-            with stopsignals.held():
-                loop.forget_commits()
+        with stopsignals.held():
+            try:
+                if code != 0:
+                    loop.forget_commits()
+            finally:
+                loop.close()
 
 
 def _say(line: str) -> None:
@@ -118,6 +124,8 @@ class _Run:
         self.resets = 0  # attempts started for a change of hosts (not counted by --max-restarts)
         self.ran_on: dict[str, None] = {}  # every host an attempt ran on, in order
         self.last_job = None  # the last attempt's record: how its host agents are reached
+        # With restarts, dtrun's own sessions to the hosts share one connection per host (launcher/sshmux.py).
+        self.masters: Optional[Masters] = None
         if self.restarts:
             self.selection = resolve_hosts(opts.hosts, environ)
             self.spares, self.min_np = check_options(opts, self.selection)
@@ -127,6 +135,8 @@ class _Run:
             self.plan = plan_hosts(self.selection.hosts, (), (), self.np, None, opts.oversubscribe)
             self.first = tuple(h.host for h in self.plan.hosts)
             self.base_id = new_run_id() if opts.log_dir else None
+            self.masters = Masters()
+            sshmux.activate(self.masters)
         self.left_out: dict[str, str] = {}
         self.healthy_failures: dict[tuple, int] = {}  # failure key -> first attempt (0-based) it ended on good hosts
         self.total = opts.max_restarts + 1
@@ -142,9 +152,11 @@ class _Run:
         opts = replace(self.opts, np=str(self.plan.np),
                        env=tuple(self.opts.env) + (f"DTRUN_RESTART_COUNT={n}", f"TORCHELASTIC_RESTART_COUNT={n}",
                                                    f"DTRUN_RUN_ID={self.run_id}"))
+        # A later attempt's mpirun reaches the hosts through the run's ssh connections (launcher/sshmux.py).
+        control = self.masters.shared_path() if self.masters is not None and n > 0 else None
         return opts, AttemptSetup(job_dir=job_dir, selection=replace(self.selection, hosts=self.plan.hosts),
                                   run_id=f"{self.base_id}-attempt-{n + 1}" if self.base_id else None,
-                                  deadline=self.deadline)
+                                  deadline=self.deadline, ssh_control_path=control)
 
     def one(self) -> Optional[int]:
         """Run one attempt; dtrun's exit code when the run is over, None to go on."""
@@ -157,7 +169,8 @@ class _Run:
                 self.timings.relaunched.append(time.monotonic())
             hosts_watch = self._host_watch(job_dir)
             observers = (watch,) if hosts_watch is None else (watch, hosts_watch)
-            att = run_attempt(opts, setup, self.preflight, observers, cleanup=not self.restarts)
+            att = run_attempt(opts, setup, self.preflight, observers, cleanup=not self.restarts,
+                              ssh_names=bool(self.restarts), masters=self.masters)
             self.ran_on.update(dict.fromkeys(att.hosts))
             self.last_job = att.job or self.last_job
             if self.timings is not None:
@@ -179,7 +192,7 @@ class _Run:
             # left out it ends in the background, within its budget, and before dtrun exits.
             cleanup = _start_cleanup(att) if self.restarts and not att.cleaned else None
             try:
-                bad = self._check_hosts(att, opts, failure, watch)
+                bad = self._check_hosts(att, opts, failure, watch, cleanup)
             except stopsignals.Stopped:
                 if cleanup is not None:
                     with stopsignals.held():
@@ -203,9 +216,10 @@ class _Run:
                 jobstate.remove(job_dir)
 
     def _check_hosts(self, att: AttemptOutcome, opts: LaunchOptions, failure: Failure,
-                     watch: Optional[ErrorWatch] = None) -> dict[str, str]:
+                     watch: Optional[ErrorWatch] = None, cleanup: Optional[AgentRound] = None) -> dict[str, str]:
         """The hosts that fail the check after this failure (host -> why), each lost one said.
-        Before a restart the check is quick where the run can go on without a host (``_recovery_check``)."""
+        Before a restart the check is quick where the run can go on without a host (``_recovery_check``;
+        ``cleanup``: the kill round in flight, whose answers prove their hosts)."""
         used = att.selection if att.selection is not None else self.selection
         candidates = [h for h in used.hosts if h.host in att.hosts] if used is not None else []
         if self.restarts and failure.restartable:
@@ -216,8 +230,8 @@ class _Run:
         if self.host_check is not None and candidates and not all_local(candidates) \
                 and (failure.restartable or not self.restarts) and not att.result.interrupted \
                 and not att.result.stdout_closed and not att.ended:
-            if self.restarts and failure.restartable and not self.discovery:
-                bad = self._recovery_check(att, opts, used, candidates, watch)
+            if self.restarts and failure.restartable:
+                bad = self._recovery_check(att, opts, used, candidates, watch, cleanup)
             else:
                 bad = dict(self.host_check(opts, used, candidates, self.environ))
         if self.timings is not None:
@@ -227,19 +241,27 @@ class _Run:
         return bad
 
     def _recovery_check(self, att: AttemptOutcome, opts: LaunchOptions, used, candidates: Sequence[HostSlots],
-                        watch: Optional[ErrorWatch]) -> dict[str, str]:
+                        watch: Optional[ErrorWatch], cleanup: Optional[AgentRound] = None) -> dict[str, str]:
         """The check before a restart (launcher/restarts.py): a host the failure's evidence names
-        as lost is left out at once when the next attempt fits without it; the others get the
-        quick check, and one that fails it is left out too when the attempt fits without it.
-        Only a host the next attempt cannot do without gets the check's full timeout."""
+        as lost is left out at once when the next attempt fits without it. A host whose agent of
+        the kill round (``cleanup``) answers within ``KILL_ANSWER_WAIT_S`` passes: it ran a
+        program there just now, over the run's ssh connection to it (launcher/sshmux.py), which
+        proves more than the check's ssh banner and spares its sshd a connection. The others get
+        the quick check, and one that fails it is left out too when the attempt fits without
+        it. Only a host the next attempt cannot do without gets the check's full timeout."""
         names = {h.host for h in candidates if not is_local(h.host)}  # never this host: dtrun runs on it
         closed = _closed_hosts(att, watch.closed() if watch is not None else ())
+        if self.masters is not None:  # mpirun's ssh through a master says nothing of the close: the master does
+            closed += [h for h in self.masters.closed_hosts() if h in att.hosts and h not in closed]
         evidence = {h: why for h, why in lost_hosts(att.result, att.rank_hosts, closed).items() if h in names}
         fits = slots_left(self.selection.hosts, self.spares, list(self.left_out), self.np, self.min_np,
                           self.opts.oversubscribe)
         out, needed = going_on_without(list(evidence), fits)
         bad = {h: evidence[h] for h in out}
         rest = [h for h in candidates if h.host not in evidence]
+        if cleanup is not None and rest:
+            answered = cleanup.answered_within([h.host for h in rest if h.host in names], KILL_ANSWER_WAIT_S)
+            rest = [h for h in rest if h.host not in answered]
         slow = dict(self.host_check(opts, used, rest, self.environ, quick=True)) if rest and not all_local(rest) else {}
         more, kept = going_on_without(list(slow), fits, list(bad))
         bad.update((h, slow[h]) for h in more)
@@ -296,6 +318,13 @@ class _Run:
         hosts = [h for h in self.ran_on if h not in self.left_out]
         if self.last_job is not None and hosts:
             run_host_agents(self.last_job, "forget", hosts, FORGET_BUDGET_S, (self.run_id,))
+
+    def close(self) -> None:
+        """The run is over: end its ssh master connections (after every agent round has ended)."""
+        if self.masters is not None:
+            wait_agents()
+            sshmux.activate(None)
+            self.masters.close()
 
     # -- elastic runs (--host-discovery-script, launcher/elastic.py)
     def _host_watch(self, job_dir: str) -> Optional[elastic.HostWatch]:
@@ -389,33 +418,9 @@ def _closed_hosts(att: AttemptOutcome, addresses: Sequence[str]) -> list[str]:
     rest = [h for h in hosts if h not in found]
     if not rest or all(a in found for a in addresses):
         return found
-    where = _ssh_hostnames(att.job.ssh_config if att.job is not None else None, rest)
+    where = att.ssh_names.get(rest) if att.ssh_names is not None else \
+        ssh_hostnames(att.job.ssh_config if att.job is not None else None, rest)
     return found + [h for h in rest if where.get(h) in addresses]
-
-
-def _ssh_hostnames(ssh_config: Optional[str], hosts: Sequence[str]) -> dict[str, str]:
-    """{host: the HostName ssh connects to} by `ssh -G` (all at once, bounded by SSH_CONFIG_TIMEOUT_S)."""
-    procs = {}
-    for host in hosts:
-        argv = ["ssh", "-G"] + (["-F", ssh_config] if ssh_config else []) + ["--", host]
-        try:
-            procs[host] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                           stdin=subprocess.DEVNULL, text=True)
-        except OSError:
-            break
-    deadline = time.monotonic() + SSH_CONFIG_TIMEOUT_S
-    found = {}
-    for host, p in procs.items():
-        try:
-            out, _ = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            continue
-        name = ssh_hostname(out) if p.returncode == 0 else None
-        if name:
-            found[host] = name
-    return found
 
 
 def _cleanup(att: AttemptOutcome, hosts: Sequence[str]) -> None:

@@ -116,6 +116,22 @@ def test_ssh_config_and_no_tree_spawn_per_version():
     assert "-launcher-exec /w/ssh" in line(build_command(spec(ssh_config="/c", ssh_wrapper="/w/ssh"), HYDRA))
 
 
+def test_a_restarts_control_path_joins_the_ssh_config_in_open_mpis_ssh_args():
+    """A later attempt's daemons reach their hosts through the run's ssh connections (launcher/sshmux.py):
+    one argument string with the config, for both Open MPI versions; Hydra's own ssh is left as it is."""
+    s = spec(ssh_config="/c/ssh_config", ssh_control_path="/k/mux-1a2b/%C")
+    want = "'-F /c/ssh_config -o ControlMaster=no -o ControlPath=/k/mux-1a2b/%C'"
+    assert f"--prtemca plm_ssh_args {want}" in line(build_command(s, OMPI5))
+    assert f"--mca plm_rsh_args {want}" in line(build_command(s, OMPI4))
+    alone = line(build_command(spec(ssh_control_path="/k/mux-1a2b/%C"), OMPI5))
+    assert "--prtemca plm_ssh_args '-o ControlMaster=no -o ControlPath=/k/mux-1a2b/%C'" in alone
+    assert "ControlPath" not in line(build_command(spec(ssh_config="/c", ssh_wrapper="/w/ssh",
+                                                         ssh_control_path="/k/%C"), HYDRA))
+    from dtrun.launcher.errors import InvalidValue
+    with pytest.raises(InvalidValue):
+        build_command(spec(ssh_control_path="/k/a b/%C"), OMPI5)
+
+
 def test_ssh_config_path_open_mpi_would_split_is_refused():
     """ORTE and PRRTE split plm_ssh_args on spaces, with no quoting: such a path never reaches them."""
     from dtrun.launcher.errors import InvalidValue
@@ -328,6 +344,20 @@ def test_stdout_closed_is_not_blamed_on_a_rank():
                   stops=[StopState(StopReason.STDOUT_CLOSED, "stdout closed")])
     text = failure_summary(r)
     assert "stdout was closed" in text and "rank 0" not in text
+
+
+def test_a_daemon_whose_ssh_session_ended_after_its_ranks_started_was_lost():
+    """Open MPI 5's words when a daemon started through an ssh master connection loses its host
+    (launcher/sshmux.py): "failed to report back", though its ranks ran. Only then is it a lost
+    daemon; before any rank started there, it is what it says (a daemon that never came up)."""
+    from dtrun.launcher.job.parsers import dropped_daemon_host
+    text = ("A daemon failed to report back after being spawned. This could\nbe due to several factors, "
+            "including inability to find the\n...\n  Local host:    vm\n  Remote host:   node-h2\n"
+            "  Daemon exit status: 255\n\nThis may also be caused by a firewall on the remote host.\n")
+    assert dropped_daemon_host(text, ["node-h1", "node-h2"]) == "node-h2"
+    assert dropped_daemon_host(text, ["node-h2.cluster.example"]) == "node-h2"
+    assert dropped_daemon_host(text, ["node-h1", "node-h3"]) is None  # it never ran a rank
+    assert dropped_daemon_host(text.replace("status: 255", "status: 127"), ["node-h2"]) is None
 
 
 def test_lost_daemon_names_its_host():

@@ -242,13 +242,20 @@ def _final(out):
     return {int(r): w for r, _, _, w in rows}, {int(n) for _, n, _, _ in rows}
 
 
+_REFERENCES: dict = {}
+
+
 def _reference(np_, tmp_path, steps=60):
-    p = dtrun("--horovod", "-np", np_, "--oversubscribe", "--no-tag-output", PYTHON, EXAMPLE, "--steps", steps,
-              timeout=180, env=user_env(XDG_CACHE_HOME=str(tmp_path / "ref-cache")))
-    assert p.returncode == 0, p.stderr
-    weights, _ = _final(p.stdout)
-    assert len(set(weights.values())) == 1, p.stdout
-    return weights[0]
+    """The final weights of a run of ``np_`` ranks that never failed, on this host (a run per
+    (ranks, steps) in the session: every MPI flavor's run must end with the same)."""
+    if (np_, steps) not in _REFERENCES:
+        p = dtrun("--horovod", "-np", np_, "--oversubscribe", "--no-tag-output", PYTHON, EXAMPLE, "--steps", steps,
+                  timeout=180, env=user_env(XDG_CACHE_HOME=str(tmp_path / "ref-cache")))
+        assert p.returncode == 0, p.stderr
+        weights, _ = _final(p.stdout)
+        assert len(set(weights.values())) == 1, p.stdout
+        _REFERENCES[np_, steps] = weights[0]
+    return _REFERENCES[np_, steps]
 
 
 @pytest.mark.mpi
@@ -394,7 +401,7 @@ def test_a_flapping_host_is_taken_back_once(cluster4, tmp_path):
     a, b, c, _ = cluster4.hosts
     script, _ = _discovery(tmp_path, [a, b, c])
     p = start(cluster4, "--horovod", "--host-discovery-script", script, "--min-np", "2", "--max-restarts", "3",
-              PYTHON, EXAMPLE, "--steps", "400", "--step-time", "0.1")
+              PYTHON, EXAMPLE, "--steps", "250", "--step-time", "0.1")
     down = False
     try:
         for round_ in range(2):
@@ -415,8 +422,12 @@ def test_a_flapping_host_is_taken_back_once(cluster4, tmp_path):
                      err, re.M), err
     assert re.search(rf"^dtrun: the hosts changed \({c.name} listed\); .+; 3 ranks on {a.name}, "
                      rf"{b.name}, {c.name}$", err, re.M), err
-    assert re.search(rf"^dtrun: attempt 3 of 4: {c.name} left out \(.+\); .+; 2 ranks on {a.name}, {b.name}$",
-                     err, re.M), err
+    third = re.search(rf"^dtrun: attempt 3 of 4: {c.name} left out \(.+\); (.+); 2 ranks on {a.name}, {b.name}$",
+                      err, re.M)
+    assert third, err
+    # That attempt's daemons ran through the run's ssh connections (launcher/sshmux.py): Open MPI
+    # then says a daemon "failed to report back" and exits 255, which is still a lost daemon.
+    assert "mpirun exited with code 255" not in third.group(1), err
     assert f"dtrun: host {c.name} is listed again but was lost 2 times in this run; not taken back" in err, err
     assert "attempt 5" not in err
     weights, sizes = _final(out)

@@ -37,27 +37,32 @@ DUMP_SIGNAL = int(signal.SIGRTMIN) + 6
 # Rank 1 sleeps (the job looks hung: no output), while rank 0 is where the case puts it.
 ENDING = """import atexit
 import faulthandler
+import os
 import signal
 import sys
 import time
 from mpi4py import MPI
 
 rank = MPI.COMM_WORLD.Get_rank()
-case = sys.argv[1]
+case, release = sys.argv[1], sys.argv[2]  # the test creates ``release`` once it has read the stacks
+end = time.monotonic() + 90
 print("up", rank, flush=True)
 
 
 def linger():
-    time.sleep(18)  # atexit
+    while not os.path.exists(release) and time.monotonic() < end:
+        time.sleep(0.1)  # atexit
 
 
 if rank == 1:
-    time.sleep(18)  # rank 1
+    while not os.path.exists(release) and time.monotonic() < end:
+        time.sleep(0.1)  # rank 1
 elif case == "atexit":
     atexit.register(linger)
 elif case == "unregistered":
     faulthandler.unregister(signal.SIGRTMIN + 6)
-    time.sleep(18)  # unregistered
+    while not os.path.exists(release) and time.monotonic() < end:
+        time.sleep(0.1)  # unregistered
 # case "finalize": rank 0 ends at once and waits in MPI_Finalize for rank 1
 """
 
@@ -94,9 +99,10 @@ def test_stacks_and_hang_report_leave_an_ending_rank_alone(tmp_path, case, via):
     if via == "faulthandler":
         env["DTRUN_NO_PYSPY"] = "1"
     job = Job([DTRUN, "--hang-timeout", "4", "--no-tag-output", "-np", "2", "-H", "localhost:2", "python",
-               script.name, case], env, tmp_path)
+               script.name, case, tmp_path / "release"], env, tmp_path)
     job.wait_for(r"^\s+\(collected in ", timeout=90)  # the hang report, printed whole
     stacks = subprocess.run([DTRUN, "stacks"], capture_output=True, text=True, env=env, timeout=60)
+    (tmp_path / "release").touch()
     rc = job.finish()
     err = job.text("err")
     print(err, stacks.stdout, stacks.stderr, sep="\n")

@@ -4,13 +4,20 @@ leave out without checking them (``going_on_without``), ssh's own line for a con
 far end closed, the quick bound of the host check, the rounds of host agents that run on
 in the background (launcher/job/kill.py ``AgentRound``) and the observers' ends, all at once
 (launcher/job/supervisor.py ``end_observers``)."""
+import os
+import shutil
+import stat
 import sys
+import tempfile
 import threading
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from dtrun.checks import hostcheck
+from dtrun.launcher import sshmux
 from dtrun.launcher.hostfile import HostSlots
 from dtrun.launcher.job import kill
 from dtrun.launcher.job.result import JobResult
@@ -152,6 +159,127 @@ def test_the_reap_runs_on_after_the_job_end_until_dtrun_waits_for_it(fake_agent)
     assert reap is not None and reap._threads["h-30"].is_alive()
     kill.wait_agents()
     assert reap.wait() == {"h-30": None} and not kill._rounds
+
+
+def test_the_kill_rounds_answers_within_a_bound_leave_the_slow_hosts_out(fake_agent):
+    r = kill.AgentRound(fake_agent, "kill", ["fast-0", "slow-30"], budget=2.0)
+    assert r.answered_within(["fast-0", "slow-30", "not-in-round"], 1.0) == \
+        {"fast-0": {"host": "fast-0", "mode": "kill"}}
+    assert r._threads["slow-30"].is_alive()  # not waited for: it runs on to its own deadline
+
+
+def test_a_failed_job_whose_run_cleans_up_gets_no_reap_from_the_hang_watch(monkeypatch, tmp_path):
+    """Under --max-restarts the run's kill round stops what a failed attempt left on every host
+    (and tidies): a reap from the hang watch beside it would only load the hosts twice."""
+    import dtrun.launcher.hangwatch as hw
+    from dtrun.launcher.jobstate import JobInfo
+
+    rounds = []
+    monkeypatch.setattr(hw, "reap_remote_daemons", lambda job, hosts, nspace: rounds.append(("reap", hosts)))
+    monkeypatch.setattr(hw, "tidy_remote_hosts", lambda job, hosts: rounds.append(("tidy", hosts)))
+    job = JobInfo(id="t", dir=str(tmp_path), hosts=("far1", "far2"), np=2, dtrun_pid=0)
+    failed, ok = JobResult(returncode=1, mpirun_returncode=1), JobResult(returncode=0, mpirun_returncode=0)
+    for reap in (True, False):
+        hw.HangWatch(job, reap_daemons=reap, cleanup_follows=True).on_end(failed)
+    assert rounds == []
+    hw.HangWatch(job, reap_daemons=True, cleanup_follows=True).on_end(ok)  # PMIx's stuck daemon after a success
+    hw.HangWatch(job, reap_daemons=True).on_end(failed)
+    hw.HangWatch(job).on_end(failed)
+    assert rounds == [("reap", ["far1", "far2"]), ("reap", ["far1", "far2"]), ("tidy", ["far1", "far2"])]
+
+
+# ---- the run's ssh connections (launcher/sshmux.py) ---------------------------------------------
+# A stand-in for ssh on PATH: the real one needs hosts (tests/test_restarts_cluster.py, section 7).
+# It records its arguments, then acts as a master's remote command does: it reads its input
+# to the end, or (host "gone") says what ssh says when the far end closes and exits 255.
+
+FAKE_SSH = """#!/bin/sh
+echo "$@" >> "$FAKE_SSH_LOG"
+case "$*" in *" gone "*) echo "Connection to 10.9.9.9 closed by remote host." >&2; exit 255;; esac
+exec cat >/dev/null
+"""
+
+
+@pytest.fixture
+def fake_ssh(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(FAKE_SSH)
+    (bin_dir / "ssh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "ssh.log"))
+    cache = tempfile.mkdtemp(prefix="dtm", dir="/tmp")  # short: a socket's path has 108 bytes
+    monkeypatch.setenv("XDG_CACHE_HOME", cache)
+    yield tmp_path / "ssh.log"
+    shutil.rmtree(cache, ignore_errors=True)
+
+
+def _until(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_masters_run_until_the_run_closes_them_and_leave_nothing(fake_ssh):
+    m = sshmux.Masters()
+    m.start(["h1", "h2", "h1"], "/c/cfg")
+    assert _until(lambda: len(fake_ssh.read_text().splitlines()) == 2)
+    folder = Path(m.pattern).parent
+    assert m.pattern.endswith("/%C") and stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    for line in fake_ssh.read_text().splitlines():
+        assert line.startswith(f"-o ControlMaster=yes -o ControlPath={m.pattern} -o ControlPersist=no -o BatchMode=yes")
+        assert "-F /c/cfg" in line and line.endswith("exec cat >/dev/null")
+    assert m.control_args("h1") == ["-o", "ControlMaster=no", "-o", f"ControlPath={m.pattern}"]
+    assert m.control_args("h3") == [] and m.shared_path() == m.pattern
+    m.start(["h1"], None)  # one runs already: no second
+    assert len(fake_ssh.read_text().splitlines()) == 2
+    procs = list(m._procs.values())
+    m.close()
+    assert all(p.returncode == 0 for p in procs)  # ended by their input's end, not killed
+    assert not folder.exists() and m.shared_path() is None and m.control_args("h1") == []
+    m.start(["h4"], None)  # a closed run opens no more
+    assert len(fake_ssh.read_text().splitlines()) == 2
+
+
+def test_a_master_whose_host_closed_the_connection_names_it_and_is_passed_over(fake_ssh):
+    m = sshmux.Masters()
+    m.start(["h1", "gone"], None)
+    try:
+        assert _until(lambda: m.closed_hosts() == ["gone"])
+        assert m.control_args("gone") == []  # the agent's ssh connects by itself
+        assert m.control_args("h1") != []
+    finally:
+        m.close()
+
+
+def test_a_cache_path_too_long_for_a_socket_puts_the_sockets_in_tmp(fake_ssh, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / ("long" * 12)))
+    m = sshmux.Masters()
+    m.start(["h1"], None)
+    try:
+        assert m.pattern.startswith(f"/tmp/dtrun-{os.geteuid()}/ssh/mux-") and len(m.pattern) <= 100
+    finally:
+        m.close()
+
+
+def test_agents_go_through_the_active_masters_only(fake_ssh):
+    from dtrun.launcher.job.agents import agent_argv
+    from dtrun.launcher.jobstate import JobInfo
+
+    job = JobInfo(id="t", dir="/j", hosts=("h1",), np=1, dtrun_pid=0)
+    assert "ControlMaster=no" not in agent_argv(job, "h1", "kill", 5)
+    m = sshmux.Masters()
+    m.start(["h1"], None)
+    sshmux.activate(m)
+    try:
+        argv = agent_argv(job, "h1", "kill", 5)
+        assert argv[:7] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "ControlMaster=no"]
+        assert agent_argv(job, "localhost", "kill", 5)[0] != "ssh"
+    finally:
+        sshmux.activate(None)
+        m.close()
+    assert "ControlMaster=no" not in agent_argv(job, "h1", "kill", 5)
 
 
 # ---- the observers' ends ------------------------------------------------------------------------

@@ -307,6 +307,69 @@ def test_ctrl_c_during_a_relaunch_stops_everything(cluster3, tmp_path):
     assert wait_until_empty(lambda: processes_with(token), timeout=15) == []
 
 
+# ---- 7. the run's ssh connections ------------------------------------------------------------------
+
+def _masters(hosts):
+    """(pid, command line) of the ssh master connections to ``hosts`` (launcher/sshmux.py)."""
+    names = {h.name for h in hosts}
+    return command_lines(lambda cmd: cmd.startswith("ssh ") and "ControlMaster=yes" in cmd
+                         and any(f" {n} " in cmd for n in names))
+
+
+def test_a_restart_starts_its_daemons_through_the_runs_ssh_connections_which_end_with_the_run(cluster3, tmp_path):
+    """Under --max-restarts dtrun keeps one ssh connection per host: the next attempt's mpirun
+    starts its daemons through them (a new ssh connection each would cost a recovery seconds at
+    16 hosts), and none of them, nor their sockets' directory, is left once dtrun has exited."""
+    hosts = cluster3.hosts
+    p = start(cluster3, "-H", host_list(hosts), "--max-restarts", "1", PYTHON, EXAMPLE, "--checkpoint",
+              tmp_path / "ckpt", "--crash-at", "6", "--steps", "40", "--step-time", "0.2")
+    try:
+        read_until(p.stdout, r"^attempt 1: 3 ranks, resumed from step")
+        masters = _masters(hosts)
+        daemons = command_lines(lambda cmd: "ControlMaster=no" in cmd and "prted" in cmd)
+        folders = {re.search(r"ControlPath=(\S+)/%C", cmd).group(1) for _, cmd in masters}
+        modes = {oct(os.stat(f).st_mode & 0o777) for f in folders}
+        rc, out, err = finish(p, 120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert rc == 0, err
+    assert sorted(next(h.name for h in hosts if f" {h.name} " in cmd) for _, cmd in masters) == \
+        sorted(h.name for h in hosts), masters
+    assert len(folders) == 1 and modes == {"0o700"}, (masters, modes)
+    folder = folders.pop()
+    # the second attempt's daemons: one ssh session per host, each through the run's connection
+    assert len(daemons) == 3 and all(f"ControlPath={folder}/%C" in cmd for _, cmd in daemons), daemons
+    assert wait_until_empty(lambda: _masters(hosts), timeout=10) == []
+    assert not os.path.exists(folder)
+
+
+def test_the_runs_ssh_connections_end_when_dtrun_is_killed(cluster3, tmp_path):
+    """SIGKILL leaves dtrun no time to close its ssh connections: each ends by itself, as its
+    remote command reads the input whose other end only dtrun held."""
+    hosts = cluster3.hosts
+    token = f"hre-mux-{os.getpid()}-{time.monotonic_ns()}"
+    p = start(cluster3, "-H", host_list(hosts), "--max-restarts", "1", PYTHON, EXAMPLE, "--checkpoint",
+              tmp_path / f"{token}.ckpt", "--steps", "200", "--step-time", "0.2")
+    try:
+        read_until(p.stdout, r"^step 3 ")
+        deadline = time.monotonic() + 20
+        while len(_masters(hosts)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(_masters(hosts)) == 3, _masters(hosts)
+        p.kill()
+        p.wait(timeout=10)
+        assert wait_until_empty(lambda: _masters(hosts), timeout=15) == []
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for proc in processes_with(token):  # the job itself: dtrun was not there to stop it
+            try:
+                proc.kill()
+            except Exception:
+                pass
+
+
 # ---- 8. Open MPI 4.1 and MPICH ----------------------------------------------------------------------
 
 from tests.test_flavors_real import builds  # noqa: E402,F401 (the session fixture: each flavor's options)

@@ -204,6 +204,21 @@ class AgentRound:
             except Exception:  # a report's failure must not lose the other hosts' answers
                 pass
 
+    def answered_within(self, hosts: Iterable[str], seconds: float) -> dict[str, dict]:
+        """The answers that ``hosts`` give within ``seconds`` from now (those that gave none
+        by then are left out; their agents go on)."""
+        deadline = time.monotonic() + seconds
+        found = {}
+        for h in dict.fromkeys(hosts):
+            t = self._threads.get(h)
+            if t is None:
+                continue
+            t.join(max(0.0, deadline - time.monotonic()))
+            answer = self._answers.get(h) if not t.is_alive() else None
+            if answer is not None:
+                found[h] = answer
+        return found
+
     def wait(self, hosts: Optional[Iterable[str]] = None) -> dict[str, Optional[dict]]:
         """The answers of ``hosts`` (default: all), once each has answered or run out of time."""
         hosts = self.hosts if hosts is None else [h for h in dict.fromkeys(hosts) if h in self.hosts]

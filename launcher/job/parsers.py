@@ -31,6 +31,7 @@ _DAEMON_LOST_RE = re.compile(r"Remote daemon\s*:\s*\[.*?\]\s+on node\s+([^\s\x00
 # a remote daemon, only mpirun's report of its exit status 213 (on stdout).
 PMIX_LISTENER_FAILED = "PMIx server's listener thread failed to start"
 _DAEMON_213_RE = re.compile(r"Remote host:\s+([^\s\x00-\x1f\x7f]+)\s*\n\s*Daemon exit status:\s*213\b")
+_DAEMON_255_RE = re.compile(r"Remote host:\s+([^\s\x00-\x1f\x7f]+)\s*\n\s*Daemon exit status:\s*255\b")
 PMIX_SCAN_BYTES = 64 << 10
 
 
@@ -78,6 +79,20 @@ def lost_daemon_host(stderr_text: str) -> Optional[str]:
     """The host whose MPI daemon Open MPI says it lost, if it said."""
     hosts = _DAEMON_LOST_RE.findall(stderr_text)
     return hosts[0] if hosts else None
+
+
+def dropped_daemon_host(text: str, started_hosts) -> Optional[str]:
+    """The host whose MPI daemon's ssh session ended with ssh's own exit code (255) after ranks
+    had started there. Open MPI 5 reports that as a daemon that "failed to report back after
+    being spawned" when the session ran through an ssh master connection (launcher/sshmux.py)
+    whose host went down: the daemon had reported back, since its ranks ran, so it was lost.
+    ``started_hosts``: the hosts ranks reported from (their own names; a first label that
+    matches will do, as Open MPI may name a host by its full name or not)."""
+    started = {h.split(".")[0] for h in started_hosts}
+    for host in _DAEMON_255_RE.findall(text):
+        if host.split(".")[0] in started:
+            return host
+    return None
 
 
 def pmix_refusal(text: str) -> Optional[str]:

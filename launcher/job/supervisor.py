@@ -251,7 +251,10 @@ class JobSupervisor:
                                                                         StopReason.START_TIMEOUT) else None
         failures = self._ordered_failures(pumps, mpirun_rc, signum is not None)
         stderr_tail = pumps.stderr_text()
-        lost = parsers.lost_daemon_host(stderr_tail) if root_cause(failures) is None else None
+        lost = None
+        if root_cause(failures) is None:
+            lost = parsers.lost_daemon_host(stderr_tail) or parsers.dropped_daemon_host(
+                stderr_tail + "".join(pumps.stdout_head), self.started_ranks.values())
         vanished = []
         if mpirun_rc != 0 and root_cause(failures) is None and not lost and signum is None and timed_out is None:
             vanished = self._vanished(pumps)

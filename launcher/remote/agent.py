@@ -55,7 +55,7 @@ import socket
 import threading
 import time
 
-from dtrun import commitstore, recorderfile
+from dtrun import recorderfile
 
 from . import procfs, rankstate, sessiondirs, waitsampler
 from .procfs import proc_info
@@ -340,6 +340,7 @@ def main(argv):
         via = argv[4] if len(argv) > 4 else "auto"  # "faulthandler" (no py-spy), "proc" (no stacks)
         return waitsampler.run(job_dir, seconds, rate, via, once="once" in argv[5:])
     if mode == "forget":
+        from dtrun import commitstore  # lazy: only this mode needs it (its hashlib import is slow to start)
         forgot = len(argv) == 4 and commitstore.forget(argv[3])
         sys.stdout.write(json.dumps({"host": socket.gethostname(), "forgot": forgot}) + "\n")
         return 0
