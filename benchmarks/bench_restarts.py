@@ -7,10 +7,11 @@ dropped). dtrun (``--max-restarts 1``) runs in a child process of this script, i
 through ``launcher.run.launch`` so its ``Timings`` come back; this process records the fault
 and the first step of the next attempt (CLOCK_MONOTONIC is the same for both). Split into
 detection (fault to the end of the attempt), check (the host check: a host the failure
-names as lost is left out unchecked, the others get the quick ssh check), cleanup (the wait,
-after the check, for the kill agents on the hosts the next attempt may use: they start when
-the attempt ends, beside the check, and on the host left out they end in the background)
-and relaunch (the rest: preflight, mpirun, the program's start and its first step).
+names as lost is left out unchecked, a host whose kill agent answers within a second passes,
+the others get the quick ssh check), cleanup (the wait, after the check, for the kill agents
+on the hosts the next attempt may use: they start when the attempt ends, and on the host
+left out they end in the background) and relaunch (the rest: preflight, mpirun, the
+program's start and its first step).
 Compared with the same relaunch by hand: bare mpirun on the reduced host list, started at
 once, to its first step (a person adds the minutes it takes to notice, find the host and
 edit the list).
@@ -150,9 +151,10 @@ def main() -> int:
     lines += [f"| {k} | {v:.2f} |" for k, v in med.items()]
     lines += [f"| by hand: bare mpirun on the reduced host list, start to first step | {hand_med:.2f} |", "",
               "detection: the fault to the end of the attempt; check: the host the failure names as lost is left "
-              "out unchecked, every other host at once (ssh banner, 2 s limit); cleanup: the wait for the kill "
-              "agents on the hosts the next attempt may use (started with the check); relaunch: preflight, "
-              "mpirun, the program's start and first step. By hand adds the time a person needs to notice."]
+              "out unchecked, a host whose kill agent answers within 1 s passes, the others get the ssh banner "
+              "check (2 s limit); cleanup: the rest of the wait for the kill agents on the hosts the next attempt "
+              "may use; relaunch: preflight, mpirun (its daemons through the run's ssh connections), the "
+              "program's start and first step. By hand adds the time a person needs to notice."]
     text = "\n".join(lines) + "\n"
     print(text)
     out = REPO / "bench-results"
