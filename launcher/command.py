@@ -326,7 +326,7 @@ def _openmpi_groups(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
         # Open MPI splits this value on spaces without quoting: the path must be one plain word.
         ssh_args.append(f"-F {safe.mca_word(spec.ssh_config, 'ssh config path')}")
         why.append("ssh user/port/identity per host")
-    if spec.ssh_control_path:
+    if spec.ssh_control_path and not user_sets_ssh(spec):
         ssh_args.append(f"-o ControlMaster=no -o ControlPath={safe.mca_word(spec.ssh_control_path, 'ssh control path')}")
         why.append("the daemons' ssh sessions go through the run's open connection to each host")
     if ssh_args:
@@ -345,6 +345,14 @@ def _openmpi_groups(spec: LaunchSpec, flavor: Flavor) -> list[ArgGroup]:
         g.append(ArgGroup(tuple(spec.mpi_args), "--mpi-args, passed unchanged"))
     g.append(_program_group(spec))
     return g
+
+
+def user_sets_ssh(spec: LaunchSpec) -> bool:
+    """Whether the user set how Open MPI starts its daemons (a ``plm_`` parameter through
+    --mca, --mpi-args or the environment): dtrun's own ``plm_ssh_args`` would replace theirs,
+    so a restart's mpirun then connects by itself (launcher/sshmux.py)."""
+    return (any(key.startswith("plm_") for key, _ in spec.mca) or any("plm_" in a for a in spec.mpi_args)
+            or any(n.startswith(("OMPI_MCA_plm_", "PRTE_MCA_plm_")) for n in spec.env_names_set))
 
 
 def names_on_subnet(cidr: str, host_ifaces) -> dict[str, list[str]]:

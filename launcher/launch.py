@@ -177,7 +177,8 @@ def _interfaces(opts: LaunchOptions, usage: Usage, flavor: Flavor, environ: Mapp
 # The variables of dtrun's environment whose presence the command depends on (LaunchSpec.env_names_set).
 _ENV_NAMES_NOTED = ("LD_LIBRARY_PATH", "NCCL_SOCKET_IFNAME", "OMPI_MCA_osc", "OMPI_MCA_pml", "OMPI_MCA_btl",
                     "SLURM_PMIX_FENCE")
-_ENV_PREFIXES_NOTED = ("OMPI_MCA_coll_tuned_",)  # any coll/tuned setting of the user's keeps dtrun's rules off
+# any coll/tuned setting of the user's keeps dtrun's rules off; any plm setting, dtrun's ssh connections
+_ENV_PREFIXES_NOTED = ("OMPI_MCA_coll_tuned_", "OMPI_MCA_plm_", "PRTE_MCA_plm_")
 
 
 def _launcher_address(flavor: Flavor, selection: HostSelection, include: tuple, local: LocalFacts) -> Optional[str]:

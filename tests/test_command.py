@@ -130,6 +130,11 @@ def test_a_restarts_control_path_joins_the_ssh_config_in_open_mpis_ssh_args():
     from dtrun.launcher.errors import InvalidValue
     with pytest.raises(InvalidValue):
         build_command(spec(ssh_control_path="/k/a b/%C"), OMPI5)
+    # the user's own ssh settings for Open MPI (say, a port) would be replaced: they are left alone
+    for own in (dict(mca=(("plm_ssh_args", "-p 2222"),)), dict(mpi_args=("--prtemca", "plm_ssh_agent", "rsh")),
+                dict(env_names_set=frozenset({"PRTE_MCA_plm_ssh_args"})),
+                dict(env_names_set=frozenset({"OMPI_MCA_plm_rsh_args"}))):
+        assert "ControlPath" not in line(build_command(spec(ssh_control_path="/k/%C", **own), OMPI5)), own
 
 
 def test_ssh_config_path_open_mpi_would_split_is_refused():
