@@ -82,10 +82,11 @@ def lost_daemon_host(stderr_text: str) -> Optional[str]:
 
 
 def dropped_daemon_host(text: str, started_hosts) -> Optional[str]:
-    """The host whose MPI daemon's ssh session ended with ssh's own exit code (255) after ranks
-    had started there. Open MPI 5 reports that as a daemon that "failed to report back after
-    being spawned" when the session ran through an ssh master connection (launcher/sshmux.py)
-    whose host went down: the daemon had reported back, since its ranks ran, so it was lost.
+    """The host whose MPI daemon's ssh session ended with exit status 255 after ranks had
+    started there. Open MPI 5 reports that (on stdout) as a daemon that "failed to report back
+    after being spawned": seen when the daemon was killed, and when its host went down under
+    an ssh master connection (launcher/sshmux.py). It had reported back, since its ranks
+    ran: it was lost.
     ``started_hosts``: the hosts ranks reported from (their own names; a first label that
     matches will do, as Open MPI may name a host by its full name or not)."""
     started = {h.split(".")[0] for h in started_hosts}
