@@ -31,7 +31,7 @@ from dtrun.launcher.job.result import JobResult, expected_hosts
 from dtrun.launcher.jobstate import JobInfo
 from dtrun.launcher.launch import AttemptSetup, LaunchOptions, Preflight, PreparedLaunch, check_seconds, prepare, warn
 from dtrun.launcher.remote import sessiondirs
-from dtrun.launcher.sshmux import Masters
+from dtrun.launcher.sshmux import Masters, OpenOnceStarted
 from dtrun.launcher.sshnames import SshNames
 from dtrun.launcher.straggler import StragglerWatch
 from dtrun.launcher.top import live_table
@@ -63,7 +63,8 @@ def run_attempt(opts: LaunchOptions, setup: AttemptSetup = AttemptSetup(), prefl
     ``cleanup=False`` leaves the clean-up after a failure to the run, which first checks the
     hosts (a signal still cleans up here). ``ssh_names``: find where the remote hosts' names
     lead over ssh while the job runs (launcher/sshnames.py), for the run's recovery. ``masters``:
-    the run's ssh master connections (launcher/sshmux.py), opened to this attempt's remote hosts."""
+    the run's ssh master connections (launcher/sshmux.py), opened to this attempt's remote hosts
+    once the job runs (sshmux.OpenOnceStarted)."""
     prepared = prepare(opts, preflight=preflight, setup=setup)
     if opts.dry_run:
         print(dry_run_text(opts, prepared))
@@ -76,7 +77,7 @@ def run_attempt(opts: LaunchOptions, setup: AttemptSetup = AttemptSetup(), prefl
     over_ssh = bool(remote) and launcher_choice.launcher != "srun"
     names = SshNames(spec.ssh_config, remote) if ssh_names and over_ssh else None
     if masters is not None and over_ssh:
-        masters.start(remote, spec.ssh_config)
+        watches += (OpenOnceStarted(masters, remote, spec.ssh_config, spec.np),)
     expected = expected_hosts(spec.hosts, spec.np) if spec.rank_wrapper else []
     allocation = launcher_choice.allocation
     stop_watch = watch_allocation(allocation.job_id, environ=os.environ) if allocation else None

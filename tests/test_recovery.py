@@ -242,6 +242,31 @@ def test_masters_run_until_the_run_closes_them_and_leave_nothing(fake_ssh):
     assert len(fake_ssh.read_text().splitlines()) == 2
 
 
+def test_masters_open_once_every_rank_has_started_and_the_job_writes(fake_ssh):
+    """Opened beside mpirun's ssh or the ranks' start they would slow the launch: they wait for the job to run."""
+    m = sshmux.Masters()
+    watch = sshmux.OpenOnceStarted(m, ["h1", "h2"], None, np=3)
+
+    def openers():
+        return [t for t in threading.enumerate() if t.name == "dtrun-ssh-masters"]
+
+    try:
+        watch.on_rank_start("0", "h1")
+        watch.on_output("stdout", b"before every rank started\n")
+        watch.on_rank_start("1", "h2")
+        watch.on_rank_start("1", "h2")  # the same rank twice counts once
+        watch.on_rank_start("2", "h2")
+        # the opener runs on a thread that on_output itself starts: none was started yet
+        assert not openers() and not m._procs
+        watch.on_output("stderr", b"step 1\n")
+        assert _until(lambda: fake_ssh.exists() and len(fake_ssh.read_text().splitlines()) == 2)
+        assert _until(lambda: not openers())
+        watch.on_output("stdout", b"step 2\n")
+        assert not openers() and len(m._procs) == 2  # opened once
+    finally:
+        m.close()
+
+
 def test_a_master_whose_host_closed_the_connection_names_it_and_is_passed_over(fake_ssh):
     m = sshmux.Masters()
     m.start(["h1", "gone"], None)
