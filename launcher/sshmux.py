@@ -93,17 +93,17 @@ class Masters:
         """The ssh options that send a session to ``host`` through its master while one runs;
         [] otherwise (ssh then connects by itself, as it also does while the master connects)."""
         with self._lock:
-            p = self._procs.get(host)
-        if p is None or p.poll() is not None:
+            p, pattern = self._procs.get(host), self.pattern
+        if p is None or pattern is None or p.poll() is not None:
             return []
-        return ["-o", "ControlMaster=no", "-o", f"ControlPath={self.pattern}"]
+        return ["-o", "ControlMaster=no", "-o", f"ControlPath={pattern}"]
 
     def shared_path(self) -> Optional[str]:
         """The sockets' name pattern while any master runs (for mpirun's ssh: a host whose master
         is not up, or has none, is connected to by ssh itself), else None."""
         with self._lock:
             up = any(p.poll() is None for p in self._procs.values())
-        return self.pattern if up else None
+            return self.pattern if up else None
 
     def closed_hosts(self) -> list[str]:
         """The hosts whose master connection the far end closed ("Connection to X closed by
