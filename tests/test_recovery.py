@@ -208,6 +208,7 @@ def fake_ssh(tmp_path, monkeypatch):
     (bin_dir / "ssh").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "ssh.log"))
+    (tmp_path / "ssh.log").touch()  # read before the first stand-in writes to it
     cache = tempfile.mkdtemp(prefix="dtm", dir="/tmp")  # short: a socket's path has 108 bytes
     monkeypatch.setenv("XDG_CACHE_HOME", cache)
     yield tmp_path / "ssh.log"
@@ -259,7 +260,7 @@ def test_masters_open_once_every_rank_has_started_and_the_job_writes(fake_ssh):
         # the opener runs on a thread that on_output itself starts: none was started yet
         assert not openers() and not m._procs
         watch.on_output("stderr", b"step 1\n")
-        assert _until(lambda: fake_ssh.exists() and len(fake_ssh.read_text().splitlines()) == 2)
+        assert _until(lambda: len(fake_ssh.read_text().splitlines()) == 2)
         assert _until(lambda: not openers())
         watch.on_output("stdout", b"step 2\n")
         assert not openers() and len(m._procs) == 2  # opened once
@@ -272,7 +273,7 @@ def test_a_master_whose_host_closed_the_connection_names_it_and_is_passed_over(f
     m.start(["h1", "gone"], None)
     try:
         assert _until(lambda: m.closed_hosts() == ["gone"])
-        assert m.control_args("gone") == []  # the agent's ssh connects by itself
+        assert _until(lambda: m.control_args("gone") == [])  # once it has exited, the agent's ssh connects by itself
         assert m.control_args("h1") != []
     finally:
         m.close()
