@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from dtrun.launcher.errors import LaunchError
+from dtrun.launcher.job.observer import JobObserver
 from dtrun.launcher.sshconf import files_dir, private_dir
 
 # What ssh says when the far end closes its connection ("Connection to X closed by remote host.").
@@ -136,7 +137,7 @@ class Masters:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-class OpenOnceStarted:
+class OpenOnceStarted(JobObserver):
     """A job observer (launcher/job/observer.py) that opens ``masters`` to ``hosts`` once the
     job runs: all ``np`` ranks have started and it has written its first output since. Opened
     earlier, beside mpirun's own ssh connections or the ranks' start, they slow the launch on
@@ -150,9 +151,6 @@ class OpenOnceStarted:
         self._opened = False
         self._lock = threading.Lock()
 
-    def on_start(self, job) -> None:
-        pass
-
     def on_output(self, stream, data) -> None:
         with self._lock:
             if self._opened or len(self._started) < self.np:
@@ -165,15 +163,6 @@ class OpenOnceStarted:
     def on_rank_start(self, rank, host) -> None:
         with self._lock:
             self._started.add(rank)
-
-    def on_rank_exit(self, failure) -> None:
-        pass
-
-    def on_signal(self, signum) -> bool:
-        return False
-
-    def on_end(self, result) -> None:
-        pass
 
 
 def _read_lines(stream, lines: list, keep: int = 20) -> None:
