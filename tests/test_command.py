@@ -575,3 +575,30 @@ def test_allreduce_rules_left_out_where_the_install_path_is_not_one_word(monkeyp
     monkeypatch.setattr(command, "COLL_RULES", "/opt/my dtrun/launcher/remote/ompi_coll_rules.conf")
     text = line(build_command(spec(), OMPI5))
     assert "coll_tuned" not in text and "--mca pml ob1" in text
+
+
+def test_the_end_of_a_long_jobs_stdout_is_kept_for_the_reports_at_its_end():
+    """Open MPI 5 reports a lost daemon's exit status on stdout when the job ends, after all of
+    the job's own output: it must be read from stdout's end, not only its first 64 KiB."""
+    import subprocess as sp
+    import sys as _sys
+
+    from dtrun.launcher.job import parsers, pumps
+
+    report = "  Local host:    vm\n  Remote host:   node-h2\n  Daemon exit status: 255\n"
+    code = (f"import sys\nfor i in range(4000):\n    sys.stdout.write('%06d %s\\n' % (i, 'x' * 90))\n"
+            f"sys.stdout.write({report!r})\n")
+    proc = sp.Popen([_sys.executable, "-c", code], stdout=sp.PIPE, stderr=sp.PIPE)
+    p = pumps.OutputPumps(proc, (), pumps.PumpHooks(lambda f: None, lambda r, h: None, lambda: None))
+    with open(os.devnull, "w") as null:
+        saved, _sys.stdout = _sys.stdout, null
+        try:
+            p.start()
+            proc.wait(timeout=60)
+            p.join(30, drain=True)
+        finally:
+            _sys.stdout = saved
+    tail = p.stdout_tail_text()
+    assert tail.endswith(report) and len(tail) < 200_000
+    assert report not in "".join(p.stdout_head)  # past the first 64 KiB
+    assert parsers.dropped_daemon_host(tail, ["node-h2"]) == "node-h2"

@@ -20,6 +20,8 @@ from dtrun.launcher.job.result import RankFailure
 
 # Buffered stdout beyond which reading from mpirun pauses (and output may be dropped by it).
 STDOUT_BUFFER_MAX = 256 << 20
+# Characters of stdout's end kept for mpirun's reports at a job's end (at least the last chunk read).
+STDOUT_TAIL_CHARS = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class OutputPumps:
         self.stderr_tail: collections.deque = collections.deque(maxlen=200)
         self.eof_ranks: set = set()  # ranks whose end-of-output marker arrived
         self.stdout_head: list[str] = []  # the first PMIX_SCAN_BYTES (mpirun's reports about daemons)
+        self._stdout_tail: collections.deque = collections.deque()  # the last STDOUT_TAIL_CHARS or more
+        self._stdout_tail_chars = 0
         self._stdout_seen = 0
         self._chunks: collections.deque = collections.deque()
         self._buffered = 0
@@ -123,6 +127,10 @@ class OutputPumps:
         if self._stdout_seen < parsers.PMIX_SCAN_BYTES:  # they come before any rank's output
             self._stdout_seen += len(data)
             self.stdout_head.append(text)
+        self._stdout_tail.append(text)
+        self._stdout_tail_chars += len(text)
+        while self._stdout_tail_chars - len(self._stdout_tail[0]) >= STDOUT_TAIL_CHARS:
+            self._stdout_tail_chars -= len(self._stdout_tail.popleft())
         self._notify("stdout", data)
         with self._cond:
             while self._buffered > STDOUT_BUFFER_MAX and not self._eof:
@@ -210,6 +218,11 @@ class OutputPumps:
     def stderr_text(self) -> str:
         """The last lines of mpirun's stderr that were not markers."""
         return "".join(self.stderr_tail)
+
+    def stdout_tail_text(self) -> str:
+        """The end of mpirun's stdout: at least its last ``STDOUT_TAIL_CHARS`` characters (where
+        Open MPI 5 reports a daemon's exit status at the job's end)."""
+        return "".join(self._stdout_tail)
 
 
 def _same_file(a, b) -> bool:

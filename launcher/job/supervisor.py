@@ -254,7 +254,7 @@ class JobSupervisor:
         lost = None
         if root_cause(failures) is None:
             lost = parsers.lost_daemon_host(stderr_tail) or parsers.dropped_daemon_host(
-                stderr_tail + "".join(pumps.stdout_head), self.started_ranks.values())
+                stderr_tail + pumps.stdout_tail_text(), self.started_ranks.values())
         vanished = []
         if mpirun_rc != 0 and root_cause(failures) is None and not lost and signum is None and timed_out is None:
             vanished = self._vanished(pumps)
