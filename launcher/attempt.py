@@ -52,19 +52,19 @@ class AttemptOutcome:
     in_slurm: bool = False  # inside a Slurm allocation
     ended: bool = False  # Slurm ended the allocation or step (scancel): never restarted
     cleaned: bool = False  # the attempt already stopped its leftovers on every host
-    ssh_names: Optional[SshNames] = None  # where each remote host's name leads over ssh (run_attempt's ssh_names)
+    ssh_names: Optional[SshNames] = None  # where each remote host's name leads over ssh (with run_attempt's masters)
 
 
 def run_attempt(opts: LaunchOptions, setup: AttemptSetup = AttemptSetup(), preflight: Optional[Preflight] = None,
-                observers: Sequence[JobObserver] = (), cleanup: bool = True, ssh_names: bool = False,
+                observers: Sequence[JobObserver] = (), cleanup: bool = True,
                 masters: Optional[Masters] = None) -> AttemptOutcome:
     """Run (or with --dry-run, print) one attempt of the job (``preflight``: see ``launch.prepare``).
 
     ``cleanup=False`` leaves the clean-up after a failure to the run, which first checks the
-    hosts (a signal still cleans up here). ``ssh_names``: find where the remote hosts' names
-    lead over ssh while the job runs (launcher/sshnames.py), for the run's recovery. ``masters``:
-    the run's ssh master connections (launcher/sshmux.py), opened to this attempt's remote hosts
-    once the job runs (sshmux.OpenOnceStarted)."""
+    hosts (a signal still cleans up here). ``masters``: the run's ssh master connections
+    (launcher/sshmux.py), opened to this attempt's remote hosts once the job runs
+    (sshmux.OpenOnceStarted); with them, where the hosts' names lead over ssh is found while
+    the job runs (launcher/sshnames.py), for the run's recovery."""
     prepared = prepare(opts, preflight=preflight, setup=setup)
     if opts.dry_run:
         print(dry_run_text(opts, prepared))
@@ -75,8 +75,9 @@ def run_attempt(opts: LaunchOptions, setup: AttemptSetup = AttemptSetup(), prefl
     spec, launcher_choice = prepared.spec, prepared.launcher_choice
     remote = [h.host for h in spec.hosts if not is_local(h.host)]
     over_ssh = bool(remote) and launcher_choice.launcher != "srun"
-    names = SshNames(spec.ssh_config, remote) if ssh_names and over_ssh else None
+    names = None
     if masters is not None and over_ssh:
+        names = SshNames(spec.ssh_config, remote)
         watches += (OpenOnceStarted(masters, remote, spec.ssh_config, spec.np),)
     expected = expected_hosts(spec.hosts, spec.np) if spec.rank_wrapper else []
     allocation = launcher_choice.allocation

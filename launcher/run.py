@@ -170,7 +170,7 @@ class _Run:
             hosts_watch = self._host_watch(job_dir)
             observers = (watch,) if hosts_watch is None else (watch, hosts_watch)
             att = run_attempt(opts, setup, self.preflight, observers, cleanup=not self.restarts,
-                              ssh_names=bool(self.restarts), masters=self.masters)
+                              masters=self.masters)
             self.ran_on.update(dict.fromkeys(att.hosts))
             self.last_job = att.job or self.last_job
             if self.timings is not None:

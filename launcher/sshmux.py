@@ -35,10 +35,9 @@ from typing import Optional, Sequence
 
 from dtrun.launcher.errors import LaunchError
 from dtrun.launcher.job.observer import JobObserver
+from dtrun.launcher.restarts import closed_connections
 from dtrun.launcher.sshconf import files_dir, private_dir
 
-# What ssh says when the far end closes its connection ("Connection to X closed by remote host.").
-_CLOSED = "closed by remote host"
 # Seconds a master gets to connect; the agents do not wait for it (they connect by themselves).
 CONNECT_TIMEOUT_S = 10
 # Seconds ``close`` gives the masters to end once their input has ended, before it kills them.
@@ -111,7 +110,7 @@ class Masters:
         remote host."): evidence of a lost host, as mpirun's own ssh clients would have said
         had they not gone through the master."""
         with self._lock:
-            return [h for h, lines in self._errors.items() if any(_CLOSED in line for line in lines)]
+            return [h for h, lines in self._errors.items() if closed_connections(list(lines))]
 
     def close(self) -> None:
         """End every master (their input closed, then killed after ``CLOSE_TIMEOUT_S``) and
