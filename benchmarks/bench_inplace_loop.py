@@ -3,10 +3,12 @@
 What a user's own timing loop meets, not the bench's median rounds: each run is a fresh
 2- or 3-rank job on localhost that, per size (8 B to 64 MiB), times a loop of the same call
 for each of ``comm.Allreduce(MPI.IN_PLACE, b)``, ``cc.allreduce(b, inplace=True)``,
-``comm.Allreduce(b, o)`` and ``cc.allreduce(b, out=o)`` (a barrier before each loop, the
-four in alternating order, 8 loops each, as many calls per loop as raw in place makes in
-about 20 ms, at least 3) and reports ours/raw speed (raw time / our time)
-from each variant's median loop, with the path ours took. Several runs, because a run is
+``comm.Allreduce(b, o)``, ``cc.allreduce(b, out=o)`` and raw in place once more (a
+barrier before each loop, the five in alternating order, 8 loops each, as many calls per
+loop as raw in place makes in about 20 ms, at least 3) and reports ours/raw speed (raw
+time / our time) from each variant's median loop, with the path ours took, and raw / raw:
+the first raw in-place loop against the second, the noise of the measure itself. Several
+runs, because a run is
 one core placement: the slowest run is the figure that counts.
 
 Writes bench-results/inplace_loop.md and .json. Exit code 0 unless a run fails.
@@ -38,7 +40,8 @@ for size in SIZES:
     b = np.ones(max(size // 4, 2), np.float32)
     o = np.empty_like(b)
     calls = {"raw_ip": lambda: W.Allreduce(MPI.IN_PLACE, b), "ours_ip": lambda: c.allreduce(b, inplace=True),
-             "raw_oop": lambda: W.Allreduce(b, o), "ours_oop": lambda: c.allreduce(b, out=o)}
+             "raw_oop": lambda: W.Allreduce(b, o), "ours_oop": lambda: c.allreduce(b, out=o),
+             "raw_ip2": lambda: W.Allreduce(MPI.IN_PLACE, b)}
     for call in calls.values():  # warm: the first calls set up windows and caches
         call()
     # calls per loop: a loop of raw in place lasts about 20 ms (the same count on every rank)
@@ -57,6 +60,7 @@ for size in SIZES:
             times[k].append(W.allreduce((time.perf_counter() - t) / reps, op=MPI.MAX))
     med = {k: statistics.median(v) for k, v in times.items()}
     rows.append({"size": size, "ip": med["raw_ip"] / med["ours_ip"], "oop": med["raw_oop"] / med["ours_oop"],
+                 "aa": med["raw_ip"] / med["raw_ip2"],
                  "ip_path": c.allreduce_path(size, True), "oop_path": c.allreduce_path(size, False),
                  "raw_ip_us": med["raw_ip"] * 1e6, "ours_ip_us": med["ours_ip"] * 1e6})
 if W.rank == 0:
@@ -85,16 +89,22 @@ def report(results: dict[int, list[list[dict]]]) -> str:
     lines = ["# allreduce in a plain loop: ours / raw mpi4py", "",
              "Each cell: ours/raw speed (raw time / our time, above 1 is faster) of each run, "
              "then the path ours took. A fresh job per run, 2 and 3 ranks on localhost; in each "
-             "run the four loops (raw and ours, in and out of place) alternate, 8 loops each, "
-             f"median loop. Goal: at least {GOAL} in every run.", ""]
+             "run the five loops (raw and ours, in and out of place, raw in place again) alternate, 8 loops each, "
+             f"median loop. Goal: at least {GOAL} in every run. The path: what ours took, in "
+             "each run's path table. raw / raw: raw in place against a second raw in-place loop in the same "
+             "alternation, the lowest and highest over the runs: the noise of the measure "
+             "itself.", ""]
     for n, runs in results.items():
-        lines += [f"## {n} ranks", "", "| size | in place | path | out of place | path |", "|---|---|---|---|---|"]
+        lines += [f"## {n} ranks", "", "| size | in place | path | out of place | path | raw / raw |",
+                  "|---|---|---|---|---|---|"]
         for i, size in enumerate(SIZES):
             ip = [r[i]["ip"] for r in runs]
             oop = [r[i]["oop"] for r in runs]
+            aa = [r[i]["aa"] for r in runs]
             cell = lambda xs: ", ".join(f"**{x:.2f}**" if x < GOAL else f"{x:.2f}" for x in xs)  # noqa: E731
-            lines.append(f"| {mib(size)} | {cell(ip)} | {runs[0][i]['ip_path']} | {cell(oop)} | "
-                         f"{runs[0][i]['oop_path']} |")
+            paths = lambda k: ", ".join(dict.fromkeys(r[i][k] for r in runs))  # noqa: E731
+            lines.append(f"| {mib(size)} | {cell(ip)} | {paths('ip_path')} | {cell(oop)} | "
+                         f"{paths('oop_path')} | {min(aa):.2f}-{max(aa):.2f} |")
         worst_ip = min(r[i]["ip"] for r in runs for i in range(len(SIZES)))
         worst_oop = min(r[i]["oop"] for r in runs for i in range(len(SIZES)))
         lines += ["", f"Slowest run at any size: in place {worst_ip:.2f}, out of place {worst_oop:.2f} "
