@@ -49,6 +49,9 @@
 #include <sched.h>
 #include <time.h>
 #include <errno.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 #ifdef __linux__
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -66,6 +69,9 @@ static inline PyObject *Py_NewRef(PyObject *o) { Py_INCREF(o); return o; }
 #define SLEEP_NS 2000000L    /* futex timeout: the longest a missed wake-up can cost */
 #define SIGNAL_CHECK_NS 100000000L
 #define SIG_WORDS 3
+#define NT_NS 140L           /* default: a synchronisation round slower than this streams */
+#define NT_FLOOR (256L << 10)  /* default: calls from this many bytes choose how to write */
+#define NT_ROUNDS 4          /* timed synchronisation rounds per such call */
 
 enum { OP_SUM, OP_PROD, OP_MIN, OP_MAX, OP_AVG, N_OPS };
 enum { T_I8, T_U8, T_I16, T_U16, T_I32, T_U32, T_I64, T_U64, T_F32, T_F64, N_TYPES };
@@ -102,6 +108,9 @@ typedef struct {
     /* mismatch check: the signature every synchronisation of the current call carries */
     int checking;             /* 0: no signatures (DTRUN_CHECK=0) */
     int64_t sig[SIG_WORDS];
+    /* how this rank writes its slot (see choose_writes): -1 auto, 0 cached, 1 streaming */
+    int nt_mode, nt_now;
+    long long nt_ns, nt_floor, nt_last_ns, nt_calls;
     long long sig_base[N_TYPES];  /* allreduce()'s signature bits per type code */
     int redop_shift, path_shift;
     PyObject *on_mismatch;    /* called with every rank's signature; raises */
@@ -329,6 +338,71 @@ static int sig_arg(Engine *e, PyObject *o) {
     return 0;
 }
 
+/* ---- how a rank writes its slot: cached or streaming stores ----
+ * The other ranks read a slot right after its owner wrote it. With the cores in one cache
+ * domain (a shared L3) they find the lines there. With the cores in different ones
+ * (another CCX of an AMD EPYC, another socket, or a VM whose vCPUs the host runs apart)
+ * every read fetches a line still dirty in the writer's cache, which is slower than
+ * reading memory; there streaming stores, which write past the cache, make a large
+ * allreduce faster, and in one cache domain slower (bench_inplace_loop prints both).
+ * Where the vCPUs run can change while a job runs, so every call of nt_floor bytes or
+ * more times NT_ROUNDS synchronisation rounds right after its first synchronisation (the
+ * ranks are in step then, and that one has compared the ranks' signatures: they all make
+ * the same rounds): when even the fastest round took over nt_ns, the lines travel between
+ * cache domains (one slow round is an interrupt or a preemption, not a placement), and
+ * this rank streams its slot writes for the rest of the call. Each rank
+ * decides for itself: how a slot was written changes its readers' speed, never what they
+ * read. */
+static int choose_writes(Engine *e, Py_ssize_t nbytes) {
+    e->nt_now = 0;
+    if (nbytes < e->nt_floor || e->nt_mode == 0)
+        return 0;
+    if (e->nt_mode < 0) {
+        /* more ranks than CPUs: a round's time is the scheduler's, not the caches' */
+        if (e->yield_always)
+            return 0;
+        long best = -1;
+        for (int i = 0; i < NT_ROUNDS; i++) {
+            long t0 = now_ns();
+            if (sync_all(e) < 0)
+                return -1;
+            long took = now_ns() - t0;
+            if (best < 0 || took < best)
+                best = took;
+        }
+        e->nt_last_ns = best;
+        if (e->nt_last_ns <= e->nt_ns)
+            return 0;
+    }
+    e->nt_now = 1;
+    e->nt_calls++;
+    return 0;
+}
+
+/* Copy n bytes into a slot: streaming stores when this call chose them (then a store
+ * fence, so the data is visible before the counter that post() stores next). */
+static void slot_write(Engine *e, char *dst, const char *src, Py_ssize_t n) {
+#if defined(__x86_64__)
+    if (e->nt_now && n >= 256) {
+        while (((uintptr_t)dst & 15) && n > 0) { *dst++ = *src++; n--; }
+        for (; n >= 64; n -= 64, src += 64, dst += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)src);
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+            _mm_stream_si128((__m128i *)dst, a);
+            _mm_stream_si128((__m128i *)(dst + 16), b);
+            _mm_stream_si128((__m128i *)(dst + 32), c);
+            _mm_stream_si128((__m128i *)(dst + 48), d);
+        }
+        memcpy(dst, src, n);
+        _mm_sfence();
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
 /* ---- reduction kernels: out = a op b (elementwise, n elements) ---- */
 #define SUMX(x, y) ((x) + (y))
 #define PRODX(x, y) ((x) * (y))
@@ -392,11 +466,14 @@ static int run(Engine *e, const char *src, char *dst, Py_ssize_t count, int type
     Py_ssize_t isz = type_size[type];
     Py_ssize_t per = e->cap / isz;
     kern_t first = KERN[type][op], acc = KERNACC[type][op];
+    e->nt_now = 0;
     for (Py_ssize_t start = 0; start < count; start += per) {
         Py_ssize_t m = count - start < per ? count - start : per;
         int par = (int)(e->step++ & 1);
-        memcpy(slot(e, e->me, par), src + start * isz, m * isz);
+        slot_write(e, slot(e, e->me, par), src + start * isz, m * isz);
         if (sync_all(e) < 0)
+            return -1;
+        if (start == 0 && choose_writes(e, count * isz) < 0)
             return -1;
         char *o = dst + start * isz;
         first(o, slot(e, 0, par), slot(e, 1, par), m);
@@ -431,7 +508,7 @@ static Py_ssize_t seg_at(const Py_ssize_t *starts, Py_ssize_t nseg, Py_ssize_t *
 /* Copy ``len`` bytes of the stream at offset ``off`` out of (to_stream=0: from src) or
  * into (to_stream=1: to dst) the segments, from/to ``flat``. ``*hint``: the segment
  * index to start looking from (offsets only grow within a phase). */
-static void stream_copy(const seg_t *segs, Py_ssize_t nseg, const Py_ssize_t *starts,
+static void stream_copy(Engine *e, const seg_t *segs, Py_ssize_t nseg, const Py_ssize_t *starts,
                         Py_ssize_t *hint, Py_ssize_t off, char *flat, Py_ssize_t len, int to_stream) {
     Py_ssize_t i = seg_at(starts, nseg, hint, off);
     while (len > 0 && i < nseg) {
@@ -440,6 +517,7 @@ static void stream_copy(const seg_t *segs, Py_ssize_t nseg, const Py_ssize_t *st
         if (take > len) take = len;
         if (take > 0) {
             if (to_stream) memcpy(segs[i].dst + in, flat, take);
+            else if (e != NULL) slot_write(e, flat, segs[i].src + in, take);
             else memcpy(flat, segs[i].src + in, take);
             flat += take; off += take; len -= take;
         }
@@ -455,7 +533,7 @@ static const char *stream_src(const seg_t *segs, Py_ssize_t nseg, const Py_ssize
     Py_ssize_t i = seg_at(starts, nseg, hint, off);
     if (off - starts[i] + len <= segs[i].len)
         return segs[i].src + (off - starts[i]);
-    stream_copy(segs, nseg, starts, hint, off, tmp, len, 0);
+    stream_copy(NULL, segs, nseg, starts, hint, off, tmp, len, 0);
     return tmp;
 }
 
@@ -487,7 +565,7 @@ static void copy_other_slices(Engine *e, const seg_t *segs, Py_ssize_t nseg,
         Py_ssize_t lo, hi;
         slice_of(units, unit, m, q, e->n, &lo, &hi);
         if (hi > lo)
-            stream_copy(segs, nseg, starts, &hint, start + lo,
+            stream_copy(e, segs, nseg, starts, &hint, start + lo,
                         slot(e, to_stream ? q : e->me, par) + lo, hi - lo, to_stream);
     }
 }
@@ -507,6 +585,7 @@ static int run2(Engine *e, const seg_t *segs, Py_ssize_t nseg, int type, int op)
     char accbuf[BLOCK] __attribute__((aligned(64)));
     char ownbuf[BLOCK] __attribute__((aligned(64)));
     int rc = 0;
+    e->nt_now = 0;
     for (Py_ssize_t start = 0; start < total; start += e->cap) {
         Py_ssize_t m = total - start < e->cap ? total - start : e->cap;  /* bytes this step */
         Py_ssize_t units = (m + unit - 1) / unit;
@@ -514,6 +593,7 @@ static int run2(Engine *e, const seg_t *segs, Py_ssize_t nseg, int type, int op)
         /* (1) the others' slices of this rank's data into its slot */
         copy_other_slices(e, segs, nseg, starts, units, unit, m, start, par, 0);
         if (sync_all(e) < 0) { rc = -1; goto out; }
+        if (start == 0 && choose_writes(e, total) < 0) { rc = -1; goto out; }
         /* (2) this rank's slice */
         Py_ssize_t lo, hi;
         slice_of(units, unit, m, me, n, &lo, &hi);
@@ -533,8 +613,8 @@ static int run2(Engine *e, const seg_t *segs, Py_ssize_t nseg, int type, int op)
                 acc(accbuf, NULL, k == me ? own : slot(e, k, par) + b, cnt);
             if (op == OP_AVG)
                 divide(accbuf, type, cnt, n);
-            memcpy(slot(e, me, par) + b, accbuf, len);
-            stream_copy(segs, nseg, starts, &whint, start + b, accbuf, len, 1);
+            slot_write(e, slot(e, me, par) + b, accbuf, len);
+            stream_copy(NULL, segs, nseg, starts, &whint, start + b, accbuf, len, 1);
         }
         if (sync_all(e) < 0) { rc = -1; goto out; }
         /* (3) the other slices' results */
@@ -936,6 +1016,9 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
     e->checking = 0;
     e->sig[0] = e->sig[1] = e->sig[2] = 0;
     e->yield_ns = YIELD_NS;
+    e->nt_mode = -1;
+    e->nt_ns = NT_NS;
+    e->nt_floor = NT_FLOOR;
     Py_XSETREF(e->keep, Py_NewRef(keep));
     Py_XSETREF(e->fallback, Py_NewRef(fallback));
     Py_XSETREF(e->empty_like, Py_NewRef(empty_like));
@@ -1038,6 +1121,13 @@ static PyMemberDef Engine_members[] = {
      "waits that yielded at once because the late rank last ran on this CPU"},
     {"epoch", T_LONGLONG, offsetof(Engine, epoch), READONLY, "steps so far"},
     {"cap", T_PYSSIZET, offsetof(Engine, cap), READONLY, "bytes per slot (one step)"},
+    {"nt_mode", T_INT, offsetof(Engine, nt_mode), 0,
+     "slot writes: -1 chosen per call by the rounds' time, 0 cached, 1 streaming"},
+    {"nt_ns", T_LONGLONG, offsetof(Engine, nt_ns), 0, "a round slower than this streams"},
+    {"nt_floor", T_LONGLONG, offsetof(Engine, nt_floor), 0, "calls from this many bytes choose"},
+    {"nt_last_ns", T_LONGLONG, offsetof(Engine, nt_last_ns), READONLY,
+     "the last timed call's fastest round (ns)"},
+    {"nt_calls", T_LONGLONG, offsetof(Engine, nt_calls), READONLY, "calls that streamed so far"},
     {NULL, 0, 0, 0, NULL}};
 
 static PyTypeObject EngineType = {

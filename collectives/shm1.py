@@ -54,6 +54,23 @@ def why_not() -> str:
     return "DTRUN_COMPILED=0"
 
 
+def stream_mode() -> int:
+    """``DTRUN_SHM_NT``: how the compiled paths write a slot in a call of 1 MiB or more:
+    ``auto`` (the default: streaming stores where the ranks' cores are in different cache
+    domains, timed at every such call; see _fastshm.c), ``1`` always streaming, ``0``
+    never. Returns the engine's code: -1, 1 or 0.
+
+    Raises:
+        ValueError: another value (the message names it).
+    """
+    raw = os.environ.get("DTRUN_SHM_NT", "auto").strip().lower() or "auto"
+    codes = {"auto": -1, "1": 1, "0": 0}
+    if raw not in codes:
+        raise ValueError(f"DTRUN_SHM_NT={raw!r}: use auto (chosen per call), 1 (streaming "
+                         "stores) or 0 (cached stores)")
+    return codes[raw]
+
+
 OVERSUBSCRIBED_SPIN_NS = 500
 # ...and yields for this long before sleeping: a rank that is not running is queued behind
 # the others, so waiting on-CPU for milliseconds only delays it
@@ -92,6 +109,7 @@ def engine(node_comm: MPI.Intracomm | None, fallback):
         return _fastshm.Engine(0, 1, (), 0, 64, None, fallback, np.empty_like, np.ndarray), None
     n, me = node_comm.Get_size(), node_comm.Get_rank()
     cap, hdr = cap_for(n), header_bytes(n)
+    streaming = stream_mode()  # refused on every rank before any collective step
     win = MPI.Win.Allocate_shared(hdr + 2 * cap, 1, comm=node_comm)
     win.Lock_all(MPI.MODE_NOCHECK)
     addrs = []
@@ -100,6 +118,7 @@ def engine(node_comm: MPI.Intracomm | None, fallback):
         addrs.append(np.frombuffer(buf, dtype=np.uint8, count=hdr + 2 * cap).ctypes.data)
     eng = _fastshm.Engine(me, n, tuple(addrs), cap, hdr, win, fallback, np.empty_like,
                           np.ndarray)  # zeroes this rank's header
+    eng.nt_mode = streaming
     if n > usable_cpus():
         # More ranks than cores: a spinning rank holds the core the late rank needs
         # (3 ranks on 2 cores: 22 us per 8-byte call with a 20 us spin, 4 us with 0.5 us).

@@ -5,10 +5,11 @@ the data fits in cache and both ranks are on-CPU, and can lose to MPI when it do
 with crossovers that move with the host (cache sizes, core count, the MPI build). So a
 ``Comm`` measures the candidates once per host layout and MPI, at creation:
 
-* candidates: ``mpi`` (MPI_Allreduce: whatever the library picks), ``shm`` with each
-  chunk of ``CHUNKS`` (one host), ``shm+hierarchical`` (shm within hosts, MPI_Allreduce
-  between), ``shm+ring`` (shm within hosts, a ring between), ``ring`` (a flat ring
-  over all ranks) — each only where it applies;
+* candidates: ``mpi`` (MPI_Allreduce: whatever the library picks), ``shm1`` and ``shm2``
+  (the compiled engine, one host), else ``shm`` with each chunk of ``CHUNKS`` (one host),
+  ``shm+hierarchical`` (shm within hosts, MPI_Allreduce between), ``shm+ring`` (shm
+  within hosts, a ring between), ``ring`` (a flat ring over all ranks) — each only
+  where it applies;
 * sizes: ``BUCKETS`` (256 B to 16 MiB, factor 4), out of place and in place; a size
   takes the decision of the largest bucket not above it (below 256 B the 256 B one).
   Across hosts from 64 KiB only (smaller sizes are latency-bound: MPI), two timed
@@ -52,7 +53,7 @@ import numpy as np
 from . import cache
 from ._mpi import MPI
 
-VERSION = 7
+VERSION = 8
 PATHS = ("mpi", "shm1", "shm2", "shm", "shm+hierarchical", "shm+ring", "ring")
 BUCKETS = tuple(256 * 4 ** i for i in range(9))  # 256 B .. 16 MiB
 CHUNKS = (128 << 10, 512 << 10, 2 << 20)
@@ -67,6 +68,7 @@ HOSTS_ROUNDS = 2    # timed rounds per candidate across hosts
 BUDGET_S = 1.0      # past this, larger sizes take the decision of the largest measured
 HOSTS_BUDGET_S = 4.0  # the same across hosts (slower networks, more candidates)
 HOSTS_FIRST = 4     # across hosts, sizes below BUCKETS[4] = 64 KiB are latency-bound: MPI
+SHM1_MAX = 1 << 20  # shm1 is timed below this size only (see applies)
 NOT_MEASURED, EXTRAPOLATED = -2.0, -1.0  # markers in place of times
 CACHE_FILE = "collectives-tuning.json"
 CACHE_ENTRIES = 32  # newest kept
@@ -173,8 +175,9 @@ class Table:
                     " are latency-bound and not measured")
         if t < 0:
             j = max(k for k in range(i) if self.rows[1 if inplace else 0][k][2] != EXTRAPOLATED)
+            twin = " (shm2 for shm1 from 1 MiB)" if self.rows[1 if inplace else 0][j][0] != path else ""
             return (f"{what}: {self.source}: not measured at {_mib(BUCKETS[i])} (calibration "
-                    f"time budget); as at {_mib(BUCKETS[j])} {place}")
+                    f"time budget); as at {_mib(BUCKETS[j])} {place}{twin}")
         if path == "mpi":
             how = "mpi was fastest"
         else:
@@ -189,9 +192,12 @@ def candidates(shm: bool, nnodes: int, uniform: bool, local_size: int,
     out: list[tuple[str, int]] = [("mpi", 0)]
     shm_ok = shm and local_size > 1 and (nnodes == 1 or uniform)
     if nnodes == 1:
+        # With the compiled engine the Python path is no candidate: it moves the same bytes
+        # with cached stores only, so a calibration that met the ranks' cores in one cache
+        # domain could take it, and it then lost 2x when they ran apart (_fastshm.c).
         if shm_ok and compiled:
             out += [("shm1", 0), ("shm2", 0)]
-        if shm_ok:
+        elif shm_ok:
             out += [("shm", c) for c in CHUNKS]
         return out
     if shm_ok:
@@ -202,8 +208,14 @@ def candidates(shm: bool, nnodes: int, uniform: bool, local_size: int,
 
 
 def applies(cand: tuple[str, int], nbytes: int) -> bool:
-    """A chunk matters only below the size: of the chunks >= the size, time the smallest."""
+    """A chunk matters only below the size: of the chunks >= the size, time the smallest.
+    ``shm1`` is not timed from ``SHM1_MAX`` up: what it saves is one synchronisation per
+    step, nothing next to such a call, and it moves more bytes than ``shm2`` (each rank
+    reduces every slot, its own read back included), so there it could win a calibration
+    only by noise, and then lose in the job."""
     path, chunk = cand
+    if path == "shm1":
+        return nbytes < SHM1_MAX
     if chunk == 0:
         return True
     bigger = [c for c in CHUNKS if c >= nbytes]
@@ -301,7 +313,10 @@ def decide(times: np.ndarray, cands: list[tuple[str, int]],
                 rows[ip].append(("mpi", 0, NOT_MEASURED, NOT_MEASURED))
                 continue
             if t[0] < 0:  # not measured (calibration budget): as the size below
-                rows[ip].append(rows[ip][-1][:2] + (EXTRAPOLATED, EXTRAPOLATED))
+                below = rows[ip][-1][:2]
+                if below[0] == "shm1" and BUCKETS[si] >= SHM1_MAX:
+                    below = ("shm2", 0)  # its twin from there up (see applies)
+                rows[ip].append(below + (EXTRAPOLATED, EXTRAPOLATED))
                 continue
             k = int(np.argmin(t))
             if not t[k] < margin * t[0]:

@@ -219,9 +219,66 @@ def case_shm1_exact(comm):
         _compiled_path_exact(comm, path)
 
 
-def _compiled_path_exact(comm, path):
+def case_shm_streaming_exact(comm):
+    """The compiled paths with every slot written by streaming stores (DTRUN_SHM_NT=1, from
+    the first byte): the same exact results as case_shm1_exact, misaligned segments of
+    grouped arrays included."""
+    from dtrun.collectives import shm1
+    if comm.local_size < 2 or comm.nnodes > 1 or not shm1.available():
+        raise Skip("needs the compiled engine and several ranks on one host only")
+    for path in ("shm1", "shm2"):
+        _compiled_path_exact(comm, path, streaming=True)
+
+
+def case_shm_streaming_choice(comm):
+    """DTRUN_SHM_NT=auto: a call of nt_floor bytes or more times synchronisation rounds and
+    streams when a round is slower than nt_ns; smaller calls never do; with more ranks
+    than CPUs nothing is timed; ranks whose sizes differ across the floor still all raise
+    MismatchError, and the engine works after it; DTRUN_SHM_NT is checked."""
+    from dtrun.collectives import shm1
+    if comm.local_size < 2 or comm.nnodes > 1 or not shm1.available():
+        raise Skip("needs the compiled engine and several ranks on one host only")
+    _raises(ValueError, lambda: _with_env({"DTRUN_SHM_NT": "sometimes"},
+                                          lambda: collectives.Comm(comm.mpi, path="shm2")),
+            "DTRUN_SHM_NT='sometimes'", "auto")
+    for raw, code in (("0", 0), ("1", 1), ("AUTO", -1)):
+        c = _with_env({"DTRUN_SHM_NT": raw}, lambda: collectives.Comm(comm.mpi, path="shm2"))
+        assert c._engine.nt_mode == code, (raw, c._engine.nt_mode)
+        c.free()
+    sub = collectives.Comm(comm.mpi, path="shm2")
+    try:
+        eng = sub._engine
+        big, small = eng.nt_floor // 8, eng.nt_floor // 8 - 1
+        assert eng.nt_mode == -1 and eng.nt_floor == 256 << 10
+        for inplace in (False, True):
+            for ns, streams in ((0, 1), (1 << 40, 0)):
+                eng.nt_ns = ns
+                calls = eng.nt_calls
+                x = _pat(big, comm.rank)
+                got = sub.allreduce(x, inplace=inplace)
+                np.testing.assert_array_equal(got, _total(comm, big))
+                if eng.yield_always:  # more ranks than CPUs: never timed, never streams
+                    assert eng.nt_calls == calls and eng.nt_last_ns == 0
+                else:
+                    assert eng.nt_calls == calls + streams and eng.nt_last_ns > 0
+                np.testing.assert_array_equal(sub.allreduce(_pat(small, comm.rank), inplace=inplace),
+                                              _total(comm, small))
+                assert eng.nt_calls == calls + (0 if eng.yield_always else streams)
+        eng.nt_ns = 0
+        if comm.size > 1:
+            x = _pat(big if comm.rank == 0 else 8, comm.rank)
+            _raises(MismatchError, lambda: sub.allreduce(x, inplace=True), "allreduce")
+        for n in (big, 5, big * 3 + 7):
+            np.testing.assert_array_equal(sub.allreduce(_pat(n, comm.rank)), _total(comm, n))
+    finally:
+        sub.free()
+
+
+def _compiled_path_exact(comm, path, streaming=False):
     from dtrun.collectives import dtypes as dt, shm1
     sub = collectives.Comm(comm.mpi, path=path)
+    if streaming:
+        sub._engine.nt_mode, sub._engine.nt_floor = 1, 0
     try:
         assert sub.allreduce_path(8) == sub.allreduce_path(64 << 20, True) == path
         # The instance's allreduce is the engine's entry point; it takes every size
@@ -299,6 +356,7 @@ def _compiled_path_exact(comm, path):
         sub.check = False
         np.testing.assert_array_equal(sub.allreduce(_pat(9, comm.rank)), _total(comm, 9))
         kept = sub.allreduce  # the engine's entry, kept past free()
+        assert sub._engine.nt_calls > 0 or not streaming
     finally:
         sub.free()
     assert sub.allreduce_path(8) == "mpi" and "allreduce" not in vars(sub)  # Comm.allreduce again

@@ -368,6 +368,34 @@ def test_import_and_init_leave_environment_alone(preset):
 
 
 # ----------------------------------------------------------------------------- path table
+def test_one_host_candidates_and_shm1_below_1_mib():
+    """On one host with the compiled engine the candidates are MPI, shm1 and shm2 (the Python
+    path only without the engine); shm1 is timed below 1 MiB only, and a size the budget
+    left unmeasured takes shm2 where the size below took shm1 (the reason says so)."""
+    import numpy as np
+
+    from dtrun.collectives import tuning
+    compiled = tuning.candidates(True, 1, True, 2, compiled=True)
+    assert compiled == [("mpi", 0), ("shm1", 0), ("shm2", 0)]
+    assert tuning.candidates(True, 1, True, 2, compiled=False) == \
+        [("mpi", 0)] + [("shm", c) for c in tuning.CHUNKS]
+    b = tuning.BUCKETS
+    assert tuning.applies(("shm1", 0), b[5]) and not tuning.applies(("shm1", 0), b[6])
+    assert tuning.applies(("shm2", 0), b[8]) and tuning.SHM1_MAX == b[6] == 1 << 20
+    times = np.full((len(b), 2, 3), np.inf)
+    times[:, :, 0] = 1.0
+    times[:, :, 1] = 0.5   # shm1 fastest wherever it is timed ...
+    times[:, :, 2] = 0.6
+    times[6:, :, 1] = np.inf  # ... which is below 1 MiB
+    rows = tuning.decide(times, compiled)
+    assert [r[0] for r in rows[0]] == ["shm1"] * 6 + ["shm2"] * 3
+    times[6:, :, 0] = tuning.EXTRAPOLATED  # from 1 MiB not measured (budget)
+    rows = tuning.decide(times, compiled)
+    assert [r[0] for r in rows[1]] == ["shm1"] * 6 + ["shm2"] * 3
+    why = tuning.Table(rows, "calibrated on test").explain(4 << 20, True)
+    assert why.startswith("shm2:") and "as at 256 KiB in place (shm2 for shm1 from 1 MiB)" in why, why
+
+
 def test_path_table_decides_fastest_and_mpi_on_ties():
     import numpy as np
 
