@@ -68,8 +68,8 @@ def test_set_up_in_the_warm_up_round_does_not_cut_the_calibration_short():
     """A candidate whose first call takes 0.5 s (its shared memory's first touch) and then
     10 us: every size up to 16 MiB is still measured within the 1 s budget (the prediction
     comes from the timed rounds, not from the wall time the warm-up took)."""
-    run = Costs(lambda name, i: 0.5 if (name == "shm1" and i == 0) else 10e-6)
-    cands = [("mpi", 0), ("shm1", 0)]
+    run = Costs(lambda name, i: 0.5 if (name == "shm2" and i == 0) else 10e-6)
+    cands = [("mpi", 0), ("shm2", 0)]
     times = tuning.measure(MPI.COMM_SELF, cands, run)
     assert not (times[:, :, 0] == tuning.EXTRAPOLATED).any(), times[:, :, 0]
     assert np.isfinite(times).all()
