@@ -55,7 +55,7 @@ def why_not() -> str:
 
 
 def stream_mode() -> int:
-    """``DTRUN_SHM_NT``: how the compiled paths write a slot in a call of 1 MiB or more:
+    """``DTRUN_SHM_NT``: how the compiled paths write a slot in a call of 256 KiB or more:
     ``auto`` (the default: streaming stores where the ranks' cores are in different cache
     domains, timed at every such call; see _fastshm.c), ``1`` always streaming, ``0``
     never. Returns the engine's code: -1, 1 or 0.

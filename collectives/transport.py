@@ -120,7 +120,7 @@ def select_paths(c: Any, use_shm: bool, shm_threshold: int | None,
     table = _rule(c, tune, shm_threshold, shm_chunk)
     if table is not None:
         return table
-    return _tuning.calibrated(c.mpi, c.host, c.local_size, c.nnodes, cands,
+    return _tuning.calibrated(c.mpi, c.host, c.local_size, c.nnodes, _tuning.timed(cands),
                               lambda *a: calibration_run(c, *a), refresh=tune == "refresh",
                               tick=_calibration_tick(c))
 

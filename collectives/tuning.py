@@ -6,7 +6,8 @@ with crossovers that move with the host (cache sizes, core count, the MPI build)
 ``Comm`` measures the candidates once per host layout and MPI, at creation:
 
 * candidates: ``mpi`` (MPI_Allreduce: whatever the library picks), ``shm1`` and ``shm2``
-  (the compiled engine, one host), else ``shm`` with each chunk of ``CHUNKS`` (one host),
+  (the compiled engine, one host), ``shm`` with each chunk of ``CHUNKS`` (one host; not
+  timed beside the engine: see ``timed``),
   ``shm+hierarchical`` (shm within hosts, MPI_Allreduce between), ``shm+ring`` (shm
   within hosts, a ring between), ``ring`` (a flat ring over all ranks) — each only
   where it applies;
@@ -192,12 +193,9 @@ def candidates(shm: bool, nnodes: int, uniform: bool, local_size: int,
     out: list[tuple[str, int]] = [("mpi", 0)]
     shm_ok = shm and local_size > 1 and (nnodes == 1 or uniform)
     if nnodes == 1:
-        # With the compiled engine the Python path is no candidate: it moves the same bytes
-        # with cached stores only, so a calibration that met the ranks' cores in one cache
-        # domain could take it, and it then lost 2x when they ran apart (_fastshm.c).
         if shm_ok and compiled:
             out += [("shm1", 0), ("shm2", 0)]
-        elif shm_ok:
+        if shm_ok:
             out += [("shm", c) for c in CHUNKS]
         return out
     if shm_ok:
@@ -205,6 +203,16 @@ def candidates(shm: bool, nnodes: int, uniform: bool, local_size: int,
         out += [("shm+hierarchical", CHUNKS[1]), ("shm+ring", CHUNKS[1])]
     out.append(("ring", 0))
     return out
+
+
+def timed(cands: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The candidates a calibration times. Beside the compiled engine the Python ``shm``
+    path is not one (it stays a path to force): it moves the same bytes with cached
+    stores only, so a calibration that met the ranks' cores in one cache domain could take
+    it, and it then lost 2x when they ran apart (_fastshm.c)."""
+    if any(path in ("shm1", "shm2") for path, _ in cands):
+        return [c for c in cands if c[0] != "shm"]
+    return list(cands)
 
 
 def applies(cand: tuple[str, int], nbytes: int) -> bool:

@@ -369,16 +369,19 @@ def test_import_and_init_leave_environment_alone(preset):
 
 # ----------------------------------------------------------------------------- path table
 def test_one_host_candidates_and_shm1_below_1_mib():
-    """On one host with the compiled engine the candidates are MPI, shm1 and shm2 (the Python
-    path only without the engine); shm1 is timed below 1 MiB only, and a size the budget
+    """On one host with the compiled engine the calibration times MPI, shm1 and shm2 (the
+    Python path only without the engine; with it, the Python path can still be forced);
+    shm1 is timed below 1 MiB only, and a size the budget
     left unmeasured takes shm2 where the size below took shm1 (the reason says so)."""
     import numpy as np
 
     from dtrun.collectives import tuning
-    compiled = tuning.candidates(True, 1, True, 2, compiled=True)
+    python = [("shm", c) for c in tuning.CHUNKS]
+    offered = tuning.candidates(True, 1, True, 2, compiled=True)
+    assert offered == [("mpi", 0), ("shm1", 0), ("shm2", 0)] + python  # each can be forced
+    compiled = tuning.timed(offered)
     assert compiled == [("mpi", 0), ("shm1", 0), ("shm2", 0)]
-    assert tuning.candidates(True, 1, True, 2, compiled=False) == \
-        [("mpi", 0)] + [("shm", c) for c in tuning.CHUNKS]
+    assert tuning.timed(tuning.candidates(True, 1, True, 2, compiled=False)) == [("mpi", 0)] + python
     b = tuning.BUCKETS
     assert tuning.applies(("shm1", 0), b[5]) and not tuning.applies(("shm1", 0), b[6])
     assert tuning.applies(("shm2", 0), b[8]) and tuning.SHM1_MAX == b[6] == 1 << 20
