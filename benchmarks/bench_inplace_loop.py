@@ -30,28 +30,16 @@ from bench_collectives import BIN, OUT_DIR, REPO, launcher  # noqa: E402
 SIZES = (8, 256, 4096, 65536, 262144, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 GOAL = 0.95
 
-RANK_PROGRAM = """
-import json, statistics, time
-import numpy as np
-from mpi4py import MPI
-import dtrun.collectives as cc
-
-c = cc.init()
-W = MPI.COMM_WORLD
-rows = []
-for size in SIZES:
-    b = np.ones(max(size // 4, 2), np.float32)
-    o = np.empty_like(b)
-    barrier_ns = c.shm_barrier_ns(2000)  # where the ranks' cores are (docs/performance.md)
-    calls = {"raw_ip": lambda: W.Allreduce(MPI.IN_PLACE, b), "ours_ip": lambda: c.allreduce(b, inplace=True),
-             "raw_oop": lambda: W.Allreduce(b, o), "ours_oop": lambda: c.allreduce(b, out=o),
-             "raw_ip2": lambda: W.Allreduce(MPI.IN_PLACE, b)}
-    for call in calls.values():  # warm: the first calls set up windows and caches
+# Both rank programs time their variants the same way (W: MPI.COMM_WORLD).
+TIME_LOOPS = """
+def time_loops(calls, first, after=None):
+    # warm: the first calls set up windows and caches
+    for call in calls.values():
         call()
-    # calls per loop: a loop of raw in place lasts about 20 ms (the same count on every rank)
+    # calls per loop: a loop of ``first`` lasts about 20 ms (the same count on every rank)
     t = time.perf_counter()
     for _ in range(3):
-        calls["raw_ip"]()
+        calls[first]()
     per_call = W.allreduce((time.perf_counter() - t) / 3, op=MPI.MAX)
     reps = max(3, min(2000, int(0.02 / max(per_call, 1e-7))))
     times = {k: [] for k in calls}
@@ -62,7 +50,29 @@ for size in SIZES:
             for _ in range(reps):
                 calls[k]()
             times[k].append(W.allreduce((time.perf_counter() - t) / reps, op=MPI.MAX))
-    med = {k: statistics.median(v) for k, v in times.items()}
+            if after is not None:
+                after(k)
+    return {k: statistics.median(v) for k, v in times.items()}
+"""
+
+RANK_PROGRAM = """
+import json, statistics, time
+import numpy as np
+from mpi4py import MPI
+import dtrun.collectives as cc
+
+c = cc.init()
+W = MPI.COMM_WORLD
+TIME_LOOPS
+rows = []
+for size in SIZES:
+    b = np.ones(max(size // 4, 2), np.float32)
+    o = np.empty_like(b)
+    barrier_ns = c.shm_barrier_ns(2000)  # where the ranks' cores are (docs/performance.md)
+    calls = {"raw_ip": lambda: W.Allreduce(MPI.IN_PLACE, b), "ours_ip": lambda: c.allreduce(b, inplace=True),
+             "raw_oop": lambda: W.Allreduce(b, o), "ours_oop": lambda: c.allreduce(b, out=o),
+             "raw_ip2": lambda: W.Allreduce(MPI.IN_PLACE, b)}
+    med = time_loops(calls, "raw_ip")
     rows.append({"size": size, "ip": med["raw_ip"] / med["ours_ip"], "oop": med["raw_oop"] / med["ours_oop"],
                  "aa": med["raw_ip"] / med["raw_ip2"],
                  "ip_path": c.allreduce_path(size, True), "oop_path": c.allreduce_path(size, False),
@@ -84,6 +94,7 @@ from mpi4py import MPI
 import dtrun.collectives as cc
 
 W = MPI.COMM_WORLD
+TIME_LOOPS
 c = cc.Comm(W, path="shm2")
 e = c._engine
 rows = []
@@ -96,24 +107,8 @@ for size in SIZES:
         return call
     calls = {"raw": lambda: W.Allreduce(MPI.IN_PLACE, b), "cached": mode(0), "streaming": mode(1),
              "auto": mode(-1)}
-    for call in calls.values():
-        call()
-    t = time.perf_counter()
-    for _ in range(3):
-        calls["raw"]()
-    reps = max(3, min(2000, int(0.02 / max(W.allreduce((time.perf_counter() - t) / 3, op=MPI.MAX), 1e-7))))
-    times = {k: [] for k in calls}
     rounds = []
-    for rnd in range(8):
-        for k in (list(calls) if rnd % 2 == 0 else list(calls)[::-1]):
-            W.Barrier()
-            t = time.perf_counter()
-            for _ in range(reps):
-                calls[k]()
-            times[k].append(W.allreduce((time.perf_counter() - t) / reps, op=MPI.MAX))
-            if k == "auto":
-                rounds.append(e.nt_last_ns)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = time_loops(calls, "raw", lambda k: rounds.append(e.nt_last_ns) if k == "auto" else None)
     rows.append({"size": size, **{k: med["raw"] / med[k] for k in ("cached", "streaming", "auto")},
                  "round_ns": statistics.median(rounds)})
 if W.rank == 0:
@@ -124,7 +119,7 @@ if W.rank == 0:
 def one_run(nranks: int, program: str = RANK_PROGRAM, sizes: tuple = SIZES) -> list[dict]:
     import subprocess
 
-    code = program.replace("SIZES", repr(sizes))
+    code = program.replace("TIME_LOOPS", TIME_LOOPS).replace("SIZES", repr(sizes))
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     p = subprocess.run(launcher(nranks) + [sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=900, cwd=REPO, env=env, stdin=subprocess.DEVNULL)
