@@ -8,8 +8,7 @@ barrier before each loop, the five in alternating order, 8 loops each, as many c
 loop as raw in place makes in about 20 ms, at least 3) and reports ours/raw speed (raw
 time / our time) from each variant's median loop, with the path ours took, and raw / raw:
 the first raw in-place loop against the second, the noise of the measure itself. Several
-runs, because a run is
-one core placement: the slowest run is the figure that counts.
+runs, because a run is one core placement: the slowest run is the figure that counts.
 
 Each run also times, on 2 ranks in place, how the compiled engine writes its slots: cached
 stores, streaming stores, and the default that chooses per call (``--no-writes`` skips it).

@@ -354,7 +354,7 @@ static int sig_arg(Engine *e, PyObject *o) {
  * decides for itself: how a slot was written changes its readers' speed, never what they
  * read. */
 static int choose_writes(Engine *e, Py_ssize_t nbytes) {
-    e->nt_now = 0;
+    /* nt_now is 0 here: run() and run2() clear it before their first step */
     if (nbytes < e->nt_floor || e->nt_mode == 0)
         return 0;
     if (e->nt_mode < 0) {
