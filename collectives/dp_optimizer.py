@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 import numpy as np
 import torch
+import torch.optim.optimizer as _optim
 
 from . import dp_exchange
 from .dp_buckets import Bucket, Slot, make_buckets, unpack, worker
@@ -250,6 +251,11 @@ class _DistributedOptimizer:
         fewer backward passes than ``backward_passes_per_step``) are completed from
         ``.grad`` or zeros and reduced; then this waits for everything in flight.
         """
+        self._dp_sync(None)
+
+    def _dp_sync(self, step_each) -> None:
+        """``synchronize()``; with ``step_each``, also the optimizer's step of each
+        bucket's parameters as soon as that bucket is averaged (``_dp_step_each``)."""
         if self._dp_ctx.size == 1:
             self._dp_synchronized = True
             return
@@ -260,14 +266,20 @@ class _DistributedOptimizer:
             b.pending = 0
         self._dp_launch_ready()
         try:
-            self._dp_wait_all()
+            for b in self._dp_wait_all():
+                if step_each is not None:
+                    step_each.bucket(b)
             gather_sparse(self._dp_buckets, self._dp_ctx, self._dp_op)
+            if step_each is not None:
+                step_each.rest()
         finally:
             self._dp_in_flight.clear()
             self._dp_reset()
         self._dp_synchronized = True
 
-    def _dp_wait_all(self) -> None:
+    def _dp_wait_all(self):
+        """Each bucket once it is averaged into ``.grad``, in bucket order (a generator:
+        run it to the end)."""
         if self._dp_worker is None:
             if self._dp_hosts is not None:  # all handed to the ring first, then waited on
                 for b in self._dp_buckets:
@@ -277,13 +289,21 @@ class _DistributedOptimizer:
             for b in self._dp_buckets:
                 self._dp_reduce(b)
             return
-        for b in self._dp_in_flight:
+        flight = self._dp_in_flight
+        if self._dp_hosts is not None and self._dp_hosts.local:
+            # The worker's host-level sums must all be issued before the first host-level
+            # broadcast in _dp_finish, so that every rank of the host calls them in one order.
+            for b in flight:
+                b.done.wait()
+        for b in flight:
             b.done.wait()
-        errors = [b.error for b in self._dp_in_flight if b.error is not None]
-        if errors:
-            raise errors[0]
-        if self._dp_hosts is not None:
-            self._dp_finish(self._dp_in_flight)
+            if b.error is not None:
+                for rest in flight:  # nothing of this step may still run when it is reset
+                    rest.done.wait()
+                raise b.error
+            if self._dp_hosts is not None:
+                self._dp_finish([b])
+            yield b
 
     def _dp_reset(self) -> None:
         for b in self._dp_buckets:
@@ -310,6 +330,10 @@ class _DistributedOptimizer:
                                       "synchronize() since the last step; call "
                                       "optimizer.synchronize() first")
         elif not self._dp_synchronized:
+            if closure is None and self._dp_steps_each():
+                self._dp_sync(_StepEach(self))
+                self._dp_synchronized = False
+                return None
             self.synchronize()
         else:
             warnings.warn(_STEP_AFTER_SYNCHRONIZE, stacklevel=2)
@@ -317,11 +341,68 @@ class _DistributedOptimizer:
         return super(self.__class__, self).step(closure) if closure is not None \
             else super(self.__class__, self).step()
 
+    def _dp_steps_each(self) -> bool:
+        """Whether ``step()`` may step each bucket's parameters as soon as that bucket is
+        averaged, while later buckets are still in flight: only for torch's own
+        optimizers whose update of a parameter reads nothing but that parameter's
+        gradient, state and group (``_PER_PARAMETER``, the class itself, not a
+        subclass), with no step hooks (they would run once per bucket) and no
+        ``synchronize`` replaced on the instance (the Horovod adapter's
+        ``gradient_predivide_factor``). The result is the same, bit for bit."""
+        return (self._dp_worker is not None and type(self).__mro__[1] in _PER_PARAMETER
+                and "synchronize" not in self.__dict__
+                and not getattr(self, "_optimizer_step_pre_hooks", None)
+                and not getattr(self, "_optimizer_step_post_hooks", None)
+                and not _optim._global_optimizer_pre_hooks
+                and not _optim._global_optimizer_post_hooks)
+
+    def _dp_step_only(self, keep) -> None:
+        """The wrapped optimizer's step over the parameters that ``keep(p)`` admits."""
+        groups = self.param_groups
+        stash = [g["params"] for g in groups]
+        try:
+            for g in groups:
+                g["params"] = [p for p in g["params"] if keep(p)]
+            super(self.__class__, self).step()
+        finally:
+            for g, params in zip(groups, stash):
+                g["params"] = params
+
     def remove_hooks(self) -> None:
         """Detach from the model: later backward passes are not averaged."""
         for h in self._dp_hooks:
             h.remove()
         self._dp_hooks = []
+
+
+# torch's optimizers whose update of one parameter reads only that parameter's gradient
+# and state and its group's settings: stepping them a bucket at a time is exact.
+_PER_PARAMETER = frozenset(getattr(torch.optim, n) for n in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adagrad",
+    "Adadelta", "ASGD") if hasattr(torch.optim, n))
+
+
+class _StepEach:
+    """``step()`` a bucket at a time: each bucket's parameters step as soon as it is
+    averaged; the parameters in no bucket, and every bucket from the first one with a
+    sparse gradient to gather (stepped only after ``gather_sparse``), step at the end."""
+
+    def __init__(self, opt: _DistributedOptimizer) -> None:
+        self.opt, self.done = opt, set()
+        self.deferred = False
+
+    def bucket(self, b: Bucket) -> None:
+        if self.deferred or bool(b.sparse_flags.any()):
+            self.deferred = True
+            return
+        ids = {id(s.param) for s in b.slots}
+        self.opt._dp_step_only(lambda p: id(p) in ids)
+        self.done.update(ids)
+
+    def rest(self) -> None:
+        done = self.done
+        if any(id(p) not in done for g in self.opt.param_groups for p in g["params"]):
+            self.opt._dp_step_only(lambda p: id(p) not in done)
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovod's name)

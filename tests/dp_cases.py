@@ -11,6 +11,9 @@ Modes:
   api           broadcast_object, allreduce_metric, shard
   two           two DistributedOptimizers whose buckets are ready in the same backward
                 pass; the average must equal a reference computed from all ranks' data
+  step-each     step() a bucket at a time against the whole step (forced by a step hook):
+                the same bits for several optimizers, with a parameter in no bucket and a
+                sparse gradient gathered; and how often the optimizer's own step ran
 """
 
 from __future__ import annotations
@@ -41,6 +44,78 @@ class TwoBranch(torch.nn.Module):
         return self.head(torch.tanh(h))
 
 
+class Frozen(torch.nn.Module):
+    """Three layers, a sparse embedding, and a parameter outside autograd whose gradient
+    the script sets by hand (it is in no bucket: only the optimizer steps it)."""
+
+    def __init__(self, sparse: bool):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8, sparse=sparse)
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(),
+                                        torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                        torch.nn.Linear(64, 4))
+        self.frozen = torch.nn.Parameter(torch.ones(5), requires_grad=False)
+
+    def forward(self, idx):
+        return self.body(self.emb(idx))
+
+
+STEP_EACH = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+    "sgd-sparse": lambda ps: torch.optim.SGD(ps, lr=0.1),
+}
+
+
+def _train_step_each(ctx, name: str, whole: bool) -> tuple[torch.Tensor, list[int]]:
+    sparse = name.endswith("-sparse")
+    torch.manual_seed(1)
+    model = Frozen(sparse)
+    calls: list[int] = []
+    opt = dp.DistributedOptimizer(STEP_EACH[name](model.parameters()),
+                                  named_parameters=model.named_parameters(),
+                                  bucket_bytes=4096, sparse_as_dense=not sparse)
+    if whole:
+        opt.register_step_post_hook(lambda *_: None)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    for _ in range(4):
+        opt.zero_grad()
+        model.frozen.grad = torch.full((5,), 0.5 + ctx.rank)
+        model(torch.randint(0, 10, (16,), generator=gen)).pow(2).mean().backward()
+        before = len(_STEP_CALLS)
+        opt.step()
+        calls.append(len(_STEP_CALLS) - before)
+    opt.remove_hooks()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flat, calls
+
+
+_STEP_CALLS: list[int] = []
+
+
+def step_each(ctx) -> None:
+    plain = torch.optim.SGD.step  # counted: how often SGD's own step ran per step()
+
+    def counting(self, *a, **k):
+        _STEP_CALLS.append(1)
+        return plain(self, *a, **k)
+
+    torch.optim.SGD.step = counting
+    exact, calls = {}, {}
+    for name in STEP_EACH:
+        each, n_each = _train_step_each(ctx, name, whole=False)
+        whole, n_whole = _train_step_each(ctx, name, whole=True)
+        exact[name] = each.numpy().tobytes() == whole.numpy().tobytes()
+        if name.startswith("sgd"):
+            calls[name] = {"each": n_each, "whole": n_whole}
+    probe = dp.DistributedOptimizer(torch.optim.SGD(Frozen(False).parameters(), lr=0.1),
+                                    bucket_bytes=4096)
+    report(rank=ctx.rank, exact=exact, calls=calls, buckets=len(probe._dp_buckets))
+
+
 def main(mode: str) -> None:
     torch.manual_seed(0)
     if mode == "before-init":
@@ -50,6 +125,9 @@ def main(mode: str) -> None:
             report(error=str(e))
         return
     ctx = dp.init()
+    if mode == "step-each":
+        step_each(ctx)
+        return
     if mode == "mismatch":
         model = TwoBranch(hidden=16 if ctx.rank == 1 else 8)
         try:

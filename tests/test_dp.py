@@ -270,6 +270,23 @@ def test_synchronize_then_clip_then_step():
 
 
 @pytest.mark.mpi
+def test_step_steps_each_bucket_as_it_is_averaged_with_the_whole_steps_bits():
+    # step() runs the optimizer's own step once per bucket (2 here) as each bucket is
+    # averaged, plus once for what is in no bucket (a parameter whose gradient is set by
+    # hand); a gathered sparse gradient's bucket waits for the end. A step hook forces the
+    # one whole step (hooks must run once per step), and the parameters must be the same
+    # bits either way, for every optimizer stepped a bucket at a time.
+    res = results(launch(2, str(REPO / "tests" / "dp_cases.py"), "step-each", timeout=180))
+    assert [r["rank"] for r in res] == [0, 1]
+    for r in res:
+        assert r["buckets"] == 2
+        assert r["exact"] == {"sgd": True, "adam": True, "adamw": True, "rmsprop": True,
+                              "adagrad": True, "sgd-sparse": True}
+        assert r["calls"] == {"sgd": {"each": [3] * 4, "whole": [1] * 4},
+                              "sgd-sparse": {"each": [2] * 4, "whole": [1] * 4}}
+
+
+@pytest.mark.mpi
 def test_broadcasts_metric_and_shard():
     res = results(launch(2, str(REPO / "tests" / "dp_cases.py"), "api", timeout=120))
     assert [r["rank"] for r in res] == [0, 1]
