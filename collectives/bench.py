@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which round counts: each one's best (default), or the median round, as a job sees it")
     p.add_argument("--tensors", type=int, default=256, help="arrays for -o grouped")
     p.add_argument("--path", default=None,
-                   choices=("mpi", "shm", "shm+hierarchical", "shm+ring", "ring"),
+                   choices=("mpi", "shm", "shm+hierarchical", "shm+ring", "ring", "stream"),
                    help="ours: take this allreduce path at every size (default: measured)")
     p.add_argument("--min-time", type=float, default=0.0,
                    help="repeat each timed loop until it lasts about this many seconds")

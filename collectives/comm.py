@@ -100,8 +100,9 @@ class Comm(Arguments, Running, Operations, PointToPoint):
             (default: env ``DTRUN_SHM_THRESHOLD``, else measured: see below).
         shm_chunk: bytes per rank and step of the shared-memory path (default: env
             ``DTRUN_SHM_CHUNK``, else measured).
-        path: take this allreduce path at every size ("mpi", "shm", "shm+hierarchical",
-            "shm+ring", "ring"; default: env ``DTRUN_ALLREDUCE_PATH``, else measured).
+        path: take this allreduce path at every size ("mpi", "shm1", "shm2", "shm",
+            "shm+hierarchical", "shm+ring", "ring", "stream"; default: env
+            ``DTRUN_ALLREDUCE_PATH``, else measured).
         signatures: compare each collective's signature in its first exchange (default:
             on, unless env ``DTRUN_CHECK=0``); see the module doc.
 
@@ -209,8 +210,9 @@ class Comm(Arguments, Running, Operations, PointToPoint):
     def allreduce_path(self, nbytes: int, inplace: bool = False) -> str:
         """Which path a host allreduce of ``nbytes`` takes: "mpi" (MPI_Allreduce), "shm"
         (shared memory), "shm+hierarchical" (shared memory within hosts, MPI between
-        them), "shm+ring" (shared memory within hosts, a ring between them) or "ring"
-        (a ring over all ranks). The same on every rank."""
+        them), "shm+ring" (shared memory within hosts, a ring between them), "ring"
+        (a ring over all ranks) or "stream" (shared memory within hosts, a streaming TCP
+        ring between them). The same on every rank."""
         return self._paths.pick(int(nbytes), inplace)[0]
 
     def allreduce_reason(self, nbytes: int, inplace: bool = False) -> str:
@@ -242,6 +244,7 @@ class Comm(Arguments, Running, Operations, PointToPoint):
         """Release the shared-memory window (collective over the node) and the cached
         grouped_allreduce plans (which hold references to the arrays they cover)."""
         self._plans.clear()
+        _transport.close_stream(self)
         if self._shm is not None:
             self._shm.free()
             self._shm = None

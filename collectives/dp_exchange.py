@@ -158,15 +158,28 @@ class HostExchange:
     def local(self) -> bool:
         return self.node is not None
 
+    def close(self) -> None:
+        """Close the ring and the bell, and free the host's communicator (collective over
+        the host)."""
+        for part in (self.ring, self.bell):
+            if part is not None:
+                part.close()
+        self.ring = self.bell = None
+        if self.node is not None:
+            self.node.free()
+            self.node = None
 
-def open_exchange(comm: Any, add, scale, copy) -> HostExchange | None:
+
+def open_exchange(comm: Any, add, scale, copy, what: str = "gradients") -> HostExchange | None:
     """A HostExchange, or None (with one line on rank 0's stderr) if the ring could not
-    connect: the buckets then go through the runtime's allreduce."""
+    connect: ``what`` (the buckets, or the runtime's large allreduces) then goes through
+    MPI between hosts."""
     try:
         return HostExchange(comm, add, scale, copy)
     except RingError as e:
         if comm.rank == 0:
-            print(f"dtrun.collectives.dp: {e.problem}; gradients go through MPI between hosts instead",
+            who = "dtrun.collectives.dp" if what == "gradients" else "dtrun.collectives"
+            print(f"{who}: {e.problem}; {what} go through MPI between hosts instead",
                   file=sys.stderr, flush=True)
         return None
 

@@ -41,7 +41,7 @@ KINDS = ("", "allreduce", "reduce", "broadcast", "scatter", "gather", "allgather
          "allgatherv", "reduce_scatter", "alltoall", "barrier", "grouped_allreduce")
 REDOPS = ("", "sum", "prod", "min", "max", "avg")
 # Allreduce paths (tuning.PATHS order); 0: a collective with no path choice.
-PATHS = ("", "mpi", "shm1", "shm2", "shm", "shm+hierarchical", "shm+ring", "ring")
+PATHS = ("", "mpi", "shm1", "shm2", "shm", "shm+hierarchical", "shm+ring", "ring", "stream")
 
 _KIND = {k: i for i, k in enumerate(KINDS) if k}
 _REDOP = {k: i for i, k in enumerate(REDOPS) if k}

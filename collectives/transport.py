@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from . import dp_exchange
 from . import dtypes as _dt
 from . import recorder as _rec
 from . import shm1 as _shm1
@@ -40,7 +41,7 @@ PATH_BITS = {p: _sig.meta("allreduce", path=p) & ~_sig.meta("allreduce") for p i
 
 def open_transports(c: Any, use_shm: bool) -> None:
     """Set up the shared-memory reducer and the rings this layout can use (collective)."""
-    c._shm = c._cross_comm = c._cross_ring = c._ring = None
+    c._shm = c._cross_comm = c._cross_ring = c._ring = c._stream = None
     if use_shm and c.local_size > 1 and (c.nnodes == 1 or c._uniform_nodes):
         if c.nnodes > 1:
             # Ranks with the same local rank on every host: the inter-node step.
@@ -197,6 +198,10 @@ def via(c: Any, path: str, chunk: int, src: np.ndarray, dst: np.ndarray, inplace
         path, chunk = "shm", DEFAULT_SHM_CHUNK
     if sig is not None:
         c._sigs.light(sig, "allreduce")
+    if path == "stream":
+        if stream(c, src, dst, inplace, canon, finish):
+            return
+        path = "mpi"  # a dtype or op it does not take, or no ring
     if path == "mpi":
         c.mpi.Allreduce(MPI.IN_PLACE if inplace else [src, t], [dst, t], mop)
         if finish is not None:
@@ -206,6 +211,48 @@ def via(c: Any, path: str, chunk: int, src: np.ndarray, dst: np.ndarray, inplace
     else:  # shm, shm+hierarchical, shm+ring
         c._shm.allreduce(src, dst, kern, t, mop, finish, chunk,
                          c._cross_ring if path == "shm+ring" else None)
+
+
+# What the streaming ring sums with NumPy's own add (fast for these; float16 is not).
+STREAM_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64))
+
+
+def stream(c: Any, src: np.ndarray, dst: np.ndarray, inplace: bool, canon: str,
+           finish) -> bool:
+    """Allreduce across hosts along the streaming TCP ring (``dp_exchange.HostExchange``:
+    a sum within each host, one rank per host on the ring, then a broadcast within the
+    host). Opened on the first call that takes it (collective: the signature check
+    before has shown that every rank is in this call). False: not for this dtype or op,
+    or no ring (it could not connect; rank 0 said why once): the caller takes MPI's
+    allreduce instead, as every rank does (so a calibration then times MPI for it)."""
+    if canon not in (_dt.SUM, _dt.AVG) or src.dtype not in STREAM_DTYPES:
+        return False
+    ex = c._stream
+    if ex is None:
+        ex = c._stream = _open_stream(c)
+    if ex is False:
+        return False
+    if not inplace:
+        np.copyto(dst, src)
+    flat = dst.reshape(-1)
+    ex.wait(ex.start(flat, None), flat)
+    if finish is not None:
+        finish(dst)
+    return True
+
+
+def _open_stream(c: Any):
+    add = lambda dst, src: np.add(dst, src, out=dst)  # noqa: E731
+    scale = lambda x, factor: np.multiply(x, factor, out=x)  # noqa: E731
+    ex = dp_exchange.open_exchange(c, add, scale, np.copyto, what="allreduces along the stream path")
+    return False if ex is None else ex
+
+
+def close_stream(c: Any) -> None:
+    """Close the streaming ring, if one is open (collective over the host)."""
+    if c._stream:
+        c._stream.close()
+    c._stream = None
 
 
 def restart_recorder(c) -> None:

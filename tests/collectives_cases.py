@@ -181,11 +181,11 @@ def case_hierarchical_paths(comm):
     shm+ring, ring, mpi): exact sums, the same bits everywhere, grouped too."""
     node_comm = comm.mpi.Split(comm.rank // 2, comm.rank)
     if comm.size % 2 == 0 and comm.size > 2:  # uniform hosts of 2
-        paths = ["shm+hierarchical", "shm+ring", "ring", "mpi"]
+        paths = ["shm+hierarchical", "shm+ring", "ring", "stream", "mpi"]
     elif comm.size == 2:  # one host
         paths = ["shm", "mpi"]
     else:  # one rank, or hosts of 2 and 1 (no shared-memory step)
-        paths = ["ring", "mpi"] if comm.size > 1 else ["mpi"]
+        paths = ["ring", "stream", "mpi"] if comm.size > 1 else ["mpi"]
     for path in paths:
         sub = collectives.Comm(comm.mpi, node_comm=node_comm.Dup(), path=path)
         try:
@@ -200,6 +200,46 @@ def case_hierarchical_paths(comm):
             _same_bits_and_grouped(comm, sub, 70000, (300, 5, 20000))
         finally:
             sub.free()
+
+
+def case_stream_exact(comm):
+    """The streaming TCP ring between emulated hosts of 2 ranks (and 1), forced: sums and
+    averages of the dtypes it takes are exact, in place, out of place and out=, from 0
+    elements to parts of several chunks, 2-D too; other dtypes (float16, int8) and ops
+    (max) take MPI's allreduce, exact; random floats give the same bits everywhere; a count
+    that differs between ranks is a MismatchError on every rank, and the calls after it
+    are exact."""
+    if comm.size < 3:
+        raise Skip("needs 2 emulated hosts: 3 or more ranks")
+    sub = collectives.Comm(comm.mpi, node_comm=comm.mpi.Split(comm.rank // 2, comm.rank),
+                           path="stream")
+    try:
+        assert sub.nnodes > 1 and sub.allreduce_path(1) == "stream"
+        for dtype in (np.float32, np.float64, np.int32, np.int64, np.float16, np.int8):
+            for n in (0, 1, 7, 3 * (512 << 10) // np.dtype(dtype).itemsize + 5):
+                x, expect = _pat(n, comm.rank, dtype), _total(comm, n, dtype)
+                np.testing.assert_array_equal(sub.allreduce(x), expect)
+                out = np.empty_like(x)
+                assert sub.allreduce(x, out=out) is out
+                np.testing.assert_array_equal(out, expect)
+                sub.allreduce(x, inplace=True)
+                np.testing.assert_array_equal(x, expect)
+        assert sub._stream  # opened, and used (float16 and int8 took MPI's allreduce)
+        x = _pat(6000, comm.rank, np.float32).reshape(2, 3000)
+        np.testing.assert_array_equal(sub.allreduce(x), _total(comm, 6000, np.float32).reshape(2, 3000))
+        avg = sub.allreduce(np.full(300001, 2.0 * comm.rank), op="avg")
+        np.testing.assert_array_equal(avg, np.full(300001, comm.size - 1.0))
+        top = sub.allreduce(np.full(70000, float(comm.rank)), op="max")
+        np.testing.assert_array_equal(top, np.full(70000, comm.size - 1.0))
+        rng = np.random.default_rng(comm.rank)
+        assert _same_everywhere(comm, sub.allreduce(rng.standard_normal(400003)))
+        wrong = _pat(1000 + (comm.rank == 0), comm.rank, np.float32)
+        _raises(MismatchError, lambda: sub.allreduce(wrong, inplace=True), "allreduce",
+                "1000", "1001")
+        x = _pat(200001, comm.rank, np.float64)
+        np.testing.assert_array_equal(sub.allreduce(x), _total(comm, 200001, np.float64))
+    finally:
+        sub.free()
 
 
 def case_shm1_exact(comm):

@@ -15,6 +15,9 @@ Modes:
   peer-closes
             the last rank (alone on its host) closes its ring instead of taking part:
             every other rank's wait fails, naming it, also on its host's other ranks
+  stream    the runtime's own allreduce along its ``stream`` path (run it with
+            DTRUN_ALLREDUCE_PATH=stream): each result equals MPI's allreduce; reports
+            whether the path's ring opened
 """
 
 from __future__ import annotations
@@ -124,8 +127,28 @@ def peer_closes(comm, ex) -> None:
         report(rank=comm.rank, error=str(e))
 
 
+def stream(comm) -> None:
+    bad = []
+    for dt in DTYPES:
+        for n in SIZES:
+            x = (np.arange(n) % 7 + comm.rank).astype(dt)
+            want = np.empty_like(x)
+            comm.mpi.Allreduce(x, want)
+            if not np.array_equal(comm.allreduce(x), want):
+                bad.append(f"{dt}[{n}]")
+            comm.allreduce(x, inplace=True)
+            if not np.array_equal(x, want):
+                bad.append(f"{dt}[{n}] in place")
+    report(rank=comm.rank, transport="stream" if comm._stream else "mpi", bad=bad,
+           path=comm.allreduce_path(1))
+
+
 def main(mode: str) -> None:
     comm = collectives.init()
+    if mode == "stream":
+        stream(comm)
+        comm.mpi.Barrier()
+        return
     if mode == "late" and comm.rank == 1:
         os.environ["EXCHANGE_LATE"] = "1"
     ex = open_exchange(comm)

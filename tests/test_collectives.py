@@ -83,8 +83,8 @@ def test_case_multi_rank(n, name):
 @pytest.mark.mpi
 def test_path_cases_on_four_ranks():
     """Two emulated hosts of 2 ranks: the only layout here with every inter-host path
-    (shm+hierarchical, shm+ring, ring) and a shared-memory step on each host."""
-    names = "hierarchical,hierarchical_paths,ring_exact,path_selection_agrees"
+    (shm+hierarchical, shm+ring, ring, stream) and a shared-memory step on each host."""
+    names = "hierarchical,hierarchical_paths,ring_exact,path_selection_agrees,stream_exact"
     proc = launch(4, "-m", "tests.collectives_cases", "--only", names, timeout=240)
     reps = reports(proc)
     assert len(reps) == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -397,6 +397,37 @@ def test_one_host_candidates_and_shm1_below_1_mib():
     assert [r[0] for r in rows[1]] == ["shm1"] * 6 + ["shm2"] * 3
     why = tuning.Table(rows, "calibrated on test").explain(4 << 20, True)
     assert why.startswith("shm2:") and "as at 256 KiB in place (shm2 for shm1 from 1 MiB)" in why, why
+
+
+def test_across_hosts_stream_is_timed_from_4_mib_matches_mpi_and_takes_unmeasured_sizes():
+    """Across hosts the streaming TCP ring is a candidate, timed from 4 MiB up. It needs
+    only to match MPI (the other paths must beat it by the hosts' margin); a size from
+    4 MiB up that the budget left unmeasured takes it (the reason says so); below 4 MiB
+    the size below decides, as before."""
+    import numpy as np
+
+    from dtrun.collectives import tuning
+    b = tuning.BUCKETS
+    cands = tuning.candidates(False, 2, True, 1)
+    assert cands == [("mpi", 0), ("ring", 0), ("stream", 0)] == tuning.timed(cands)
+    assert ("stream", 0) not in tuning.candidates(True, 1, True, 2, compiled=True)
+    assert tuning.STREAM_FROM == b[7] == 4 << 20
+    assert not tuning.applies(("stream", 0), b[6]) and tuning.applies(("stream", 0), b[7])
+    times = np.full((len(b), 2, 3), np.inf)
+    times[:, :, 0] = 1.0
+    times[:, :, 1] = 0.9  # the MPI ring: not under the hosts' margin (0.8) of MPI
+    times[7:, 0, 2] = 1.0  # out of place, stream as fast as MPI: stream
+    times[7:, 1, 2] = 1.1  # in place, slower: MPI
+    rows = tuning.decide(times, cands, margin=tuning.HOSTS_MARGIN)
+    assert [r[0] for r in rows[0]] == ["mpi"] * 7 + ["stream"] * 2
+    assert [r[0] for r in rows[1]] == ["mpi"] * 9
+    times[6:, :, 0] = tuning.EXTRAPOLATED  # from 1 MiB not measured (budget)
+    rows = tuning.decide(times, cands, margin=tuning.HOSTS_MARGIN)
+    assert [r[0] for r in rows[1]] == ["mpi"] * 7 + ["stream"] * 2
+    table = tuning.Table(rows, "calibrated on test")
+    assert table.pick(13_700_000, True) == ("stream", 0) and table.pick(2 << 20, True)[0] == "mpi"
+    why = table.explain(16 << 20, True)
+    assert why.startswith("stream:") and "as at 256 KiB in place (stream from 4 MiB)" in why, why
 
 
 def test_path_table_decides_fastest_and_mpi_on_ties():

@@ -159,6 +159,36 @@ def test_a_ring_that_cannot_connect_falls_back_with_several_ranks_per_host(clust
 
 @pytest.mark.cluster
 @pytest.mark.mpi
+def test_the_runtimes_stream_path_across_hosts_and_its_fallback_when_the_ring_is_blocked(
+        cluster3):
+    # The runtime's own allreduce along the streaming ring between real hosts: exact, with
+    # 2 ranks on h1. Then h2 drops the ring's ports: rank 0 says so in one line, and every
+    # call takes MPI's allreduce instead, exact too.
+    h1, h2 = cluster3.hosts[:2]
+    env = ("DTRUN_ALLREDUCE_PATH=stream", f"DTRUN_DP_RING_PORTS={PORTS}")
+    p = _run(cluster3, f"{h1.name}:2,{h2.name}:1", "stream", *env, timeout=90)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "dtrun.collectives" not in p.stdout + p.stderr, p.stderr[-3000:]
+    res = _results(p)
+    assert [(r["transport"], r["path"], r["bad"]) for r in res] == [("stream", "stream", [])] * 3
+    rule = ["INPUT", "-p", "tcp", "--dport", PORTS.replace("-", ":"), "-j", "DROP"]
+    cluster3.exec(h2, ["iptables", "-I", *rule], check=True)
+    try:
+        p = _run(cluster3, f"{h1.name}:1,{h2.name}:1", "stream", *env, timeout=90)
+    finally:
+        cluster3.exec(h2, ["iptables", "-D", *rule], check=True)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    said = [ln for ln in (p.stdout + p.stderr).splitlines() if "dtrun.collectives" in ln]
+    assert len(said) == 1, said
+    assert re.search(rf"dtrun\.collectives: rank 0 could not join the ring between hosts: "
+                     rf"{re.escape(h2.addr)}:473\d\d: timed out; allreduces along the stream path "
+                     r"go through MPI between hosts instead$", said[0]), said
+    res = _results(p)
+    assert [(r["transport"], r["bad"]) for r in res] == [("mpi", [])] * 2, res
+
+
+@pytest.mark.cluster
+@pytest.mark.mpi
 def test_a_ring_that_breaks_is_named_on_every_rank_of_the_host(cluster3):
     # Rank 2 (alone on h2) closes its ring: rank 0 sees it, and rank 1 (on h1, waiting for
     # its leader) learns the same cause, naming rank 2, not just "the leader failed".
