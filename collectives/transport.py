@@ -242,6 +242,16 @@ def stream(c: Any, src: np.ndarray, dst: np.ndarray, inplace: bool, canon: str,
 
 
 def _open_stream(c: Any):
+    # A malformed DTRUN_DP_RING_PORTS would stop only the hosts' leaders, in the middle of
+    # the collective opening: refuse it on every rank first.
+    try:
+        dp_exchange.ring_ports(os.environ.get("DTRUN_DP_RING_PORTS"))
+        problem = ""
+    except ValueError as e:
+        problem = str(e)
+    problems = [p for p in c.mpi.allgather(problem) if p]
+    if problems:
+        raise ValueError(problems[0] if problem else problems[0] + " (on another rank)")
     add = lambda dst, src: np.add(dst, src, out=dst)  # noqa: E731
     scale = lambda x, factor: np.multiply(x, factor, out=x)  # noqa: E731
     ex = dp_exchange.open_exchange(c, add, scale, np.copyto, what="allreduces along the stream path")

@@ -240,6 +240,17 @@ def case_stream_exact(comm):
         np.testing.assert_array_equal(sub.allreduce(x), _total(comm, 200001, np.float64))
     finally:
         sub.free()
+    # A malformed DTRUN_DP_RING_PORTS on one rank: ValueError on every rank, before the
+    # ring is opened (no rank is left in a collective of its own).
+    sub = collectives.Comm(comm.mpi, node_comm=comm.mpi.Split(comm.rank // 2, comm.rank),
+                           path="stream")
+    try:
+        bad = {"DTRUN_DP_RING_PORTS": "80-90"} if comm.rank == comm.size - 1 else {}
+        _raises(ValueError, lambda: _with_env(bad, lambda: sub.allreduce(np.ones(10))),
+                "DTRUN_DP_RING_PORTS='80-90': expected LOW-HIGH")
+        np.testing.assert_array_equal(sub.allreduce(np.ones(10)), np.full(10, comm.size))
+    finally:
+        sub.free()
 
 
 def case_shm1_exact(comm):
