@@ -9,7 +9,8 @@ measured choice (``auto``):
 * 2 ranks per host: ``shm+hierarchical`` (shared memory in each host, MPI_Allreduce
   between hosts) and ``ring`` (reduce-scatter + allgather around all ranks); ``auto``
   also weighs ``shm+ring`` (shared memory in each host, a ring between hosts);
-* 1 rank per host: ``ring`` against MPI's own choice.
+* 1 rank per host: ``ring`` against MPI's own choice;
+* both: ``stream`` (shared memory in each host, the streaming TCP ring between hosts).
 
 Ratio = raw MPI time / our time. Writes bench-results/collectives_hosts.md and .json
 (whose "markdown" lines bench_collectives.py adds to its report).
@@ -34,8 +35,8 @@ BIN = Path(sys.executable).parent
 # one round of one call, to keep the run to minutes; its ratios are far from 1 anyway. With 1 rank per host a call over the veth links takes a whole number of
 # ~16 ms steps (1 MiB and 4 MiB alike), so single calls flip ratios between 0.5, 1 and 2:
 # it takes the best of 5 rounds of 3 calls. BENCH_HOSTS_ROUNDS overrides the rounds.
-LAYOUTS = {"3 hosts x 1 rank": (1, ["auto", "ring"], "64M", 5, 3),
-           "3 hosts x 2 ranks": (2, ["auto", "shm+hierarchical", "ring"], "64M", 1, 1)}
+LAYOUTS = {"3 hosts x 1 rank": (1, ["auto", "ring", "stream"], "64M", 5, 3),
+           "3 hosts x 2 ranks": (2, ["auto", "shm+hierarchical", "ring", "stream"], "64M", 1, 1)}
 
 
 def mib(n: int) -> str:
