@@ -255,7 +255,7 @@ class _DistributedOptimizer:
 
     def _dp_sync(self, step_each) -> None:
         """``synchronize()``; with ``step_each``, also the optimizer's step of each
-        bucket's parameters as soon as that bucket is averaged (``_dp_step_each``)."""
+        bucket's parameters as soon as that bucket is averaged (``_StepEach``)."""
         if self._dp_ctx.size == 1:
             self._dp_synchronized = True
             return
@@ -357,14 +357,17 @@ class _DistributedOptimizer:
                 and not _optim._global_optimizer_post_hooks)
 
     def _dp_step_only(self, keep) -> None:
-        """The wrapped optimizer's step over the parameters that ``keep(p)`` admits."""
+        """The wrapped optimizer's step over the parameters that ``keep(p)`` admits (the
+        groups left with none are left out of that step)."""
         groups = self.param_groups
         stash = [g["params"] for g in groups]
         try:
             for g in groups:
                 g["params"] = [p for p in g["params"] if keep(p)]
+            self.param_groups = [g for g in groups if g["params"]]
             super(self.__class__, self).step()
         finally:
+            self.param_groups = groups
             for g, params in zip(groups, stash):
                 g["params"] = params
 

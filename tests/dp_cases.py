@@ -67,6 +67,7 @@ STEP_EACH = {
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01),
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
     "sgd-sparse": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "adam-groups": lambda ps: torch.optim.Adam(ps, lr=0.01),  # given groups, below
 }
 
 
@@ -75,7 +76,12 @@ def _train_step_each(ctx, name: str, whole: bool) -> tuple[torch.Tensor, list[in
     torch.manual_seed(1)
     model = Frozen(sparse)
     calls: list[int] = []
-    opt = dp.DistributedOptimizer(STEP_EACH[name](model.parameters()),
+    params = model.parameters()
+    if name == "adam-groups":  # a bucket's parameters in two groups, another group in none
+        body = list(model.body.parameters())
+        params = [{"params": body[:4]}, {"params": body[4:], "lr": 0.03},
+                  {"params": [model.emb.weight, model.frozen], "lr": 0.02}]
+    opt = dp.DistributedOptimizer(STEP_EACH[name](params),
                                   named_parameters=model.named_parameters(),
                                   bucket_bytes=4096, sparse_as_dense=not sparse)
     if whole:
