@@ -1,4 +1,5 @@
 """Running the installed dtrun console script as users do, with a timeout."""
+import contextlib
 import json
 import os
 import subprocess
@@ -206,3 +207,22 @@ def start_script_job(job_class, cluster, tmp_path, name, text, slots, *args, env
     hosts = ",".join(f"{h.name}:{n}" for h, n in zip(cluster.hosts, slots))
     return job_class([DTRUN, "--ssh-config", str(cluster.ssh_config), "-H", hosts, *args, "python", str(script)],
                      env=env)
+
+
+@contextlib.contextmanager
+def ports_dropped(cluster, host, ports: str):
+    """While the block runs, ``host``'s firewall drops TCP to ``ports`` ("LOW-HIGH")."""
+    rule = ["INPUT", "-p", "tcp", "--dport", ports.replace("-", ":"), "-j", "DROP"]
+    cluster.exec(host, ["iptables", "-I", *rule], check=True)
+    try:
+        yield
+    finally:
+        cluster.exec(host, ["iptables", "-D", *rule], check=True)
+
+
+def the_one_line(proc, needle: str) -> str:
+    """The one line of the job's output with ``needle``, once the job ended well."""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = [ln for ln in (proc.stdout + proc.stderr).splitlines() if needle in ln]
+    assert len(said) == 1, said
+    return said[0]

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.dtrun_helpers import REPO, dtrun, result_records, user_env
+from tests.dtrun_helpers import REPO, dtrun, ports_dropped, result_records, the_one_line, user_env
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (collectives.dp needs it)")
 PYTHON = sys.executable
@@ -196,21 +196,15 @@ def test_a_ring_the_firewall_blocks_falls_back_to_mpi_in_one_line(cluster3, tmp_
     # ports (MPI's own ports stay open): rank 0 cannot reach it, every rank learns so, and
     # the job goes on through MPI with one line saying why.
     h1, h2 = cluster3.hosts[:2]
-    rule = ["INPUT", "-p", "tcp", "--dport", "47000:47010", "-j", "DROP"]
-    cluster3.exec(h2, ["iptables", "-I", *rule], check=True)
-    try:
+    with ports_dropped(cluster3, h2, "47000-47010"):
         p = dtrun("--ssh-config", cluster3.ssh_config, "-H", f"{h1.name}:1,{h2.name}:1",
                   "-x", "DTRUN_DP_RING_PORTS=47000-47010", PYTHON,
                   str(REPO / "tests" / "dp_train.py"), str(tmp_path / "fw"),
                   "--bucket-bytes", "4096", timeout=240)
-    finally:
-        cluster3.exec(h2, ["iptables", "-D", *rule], check=True)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    said = [ln for ln in (p.stdout + p.stderr).splitlines() if "dtrun.collectives.dp:" in ln]
-    assert len(said) == 1, said
+    said = the_one_line(p, "dtrun.collectives.dp:")
     assert re.search(rf"collectives\.dp: rank 0 could not join the ring between hosts: "
                      rf"{re.escape(h2.addr)}:470\d\d: timed out; gradients go through MPI "
-                     r"between hosts instead$", said[0]), said
+                     r"between hosts instead$", said), said
     ranks = [dict(np.load(tmp_path / "fw" / f"rank.{r}.npz")) for r in range(2)]
     assert {str(r["transports"]) for r in ranks} == {"runtime"}
     _check_equivalent(ranks, rtol=1e-5, atol=1e-6)

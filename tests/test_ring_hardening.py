@@ -17,7 +17,7 @@ import tempfile
 
 import pytest
 
-from tests.dtrun_helpers import REPO, dtrun, result_records
+from tests.dtrun_helpers import REPO, dtrun, ports_dropped, result_records, the_one_line
 
 PYTHON = sys.executable
 CASES = str(REPO / "tests" / "exchange_cases.py")
@@ -57,12 +57,10 @@ def _results(p) -> list[dict]:
 def _fell_back_exactly(p) -> str:
     """The one line saying the job went through MPI instead of the ring, after checking the job
     ended well and every rank trained exactly (on the runtime)."""
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    said = [ln for ln in (p.stdout + p.stderr).splitlines() if "dtrun.collectives.dp:" in ln]
-    assert len(said) == 1, said
+    said = the_one_line(p, "dtrun.collectives.dp:")
     res = _results(p)
     assert [(r["transport"], r["bad"]) for r in res] == [("runtime", [])] * 3, res
-    return said[0]
+    return said
 
 
 def _stranger(cluster, host, uid: int, *args: str) -> subprocess.Popen:
@@ -146,13 +144,9 @@ def test_a_ring_that_cannot_connect_falls_back_with_several_ranks_per_host(clust
     # h2 drops the ring's ports: the leaders' ring fails, and h1's other rank, waiting to
     # hear whether its leader's ring is up, must not be left in a collective of its own.
     h1, h2 = cluster3.hosts[:2]
-    rule = ["INPUT", "-p", "tcp", "--dport", PORTS.replace("-", ":"), "-j", "DROP"]
-    cluster3.exec(h2, ["iptables", "-I", *rule], check=True)
-    try:
+    with ports_dropped(cluster3, h2, PORTS):
         p = _run(cluster3, f"{h1.name}:2,{h2.name}:1", "exact",
                  f"DTRUN_DP_RING_PORTS={PORTS}", timeout=90)
-    finally:
-        cluster3.exec(h2, ["iptables", "-D", *rule], check=True)
     said = _fell_back_exactly(p)
     assert "rank 0 could not join the ring between hosts" in said, said
 
@@ -171,18 +165,12 @@ def test_the_runtimes_stream_path_across_hosts_and_its_fallback_when_the_ring_is
     assert "dtrun.collectives" not in p.stdout + p.stderr, p.stderr[-3000:]
     res = _results(p)
     assert [(r["transport"], r["path"], r["bad"]) for r in res] == [("stream", "stream", [])] * 3
-    rule = ["INPUT", "-p", "tcp", "--dport", PORTS.replace("-", ":"), "-j", "DROP"]
-    cluster3.exec(h2, ["iptables", "-I", *rule], check=True)
-    try:
+    with ports_dropped(cluster3, h2, PORTS):
         p = _run(cluster3, f"{h1.name}:1,{h2.name}:1", "stream", *env, timeout=90)
-    finally:
-        cluster3.exec(h2, ["iptables", "-D", *rule], check=True)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    said = [ln for ln in (p.stdout + p.stderr).splitlines() if "dtrun.collectives" in ln]
-    assert len(said) == 1, said
+    said = the_one_line(p, "dtrun.collectives")
     assert re.search(rf"dtrun\.collectives: rank 0 could not join the ring between hosts: "
                      rf"{re.escape(h2.addr)}:473\d\d: timed out; allreduces along the stream path "
-                     r"go through MPI between hosts instead$", said[0]), said
+                     r"go through MPI between hosts instead$", said), said
     res = _results(p)
     assert [(r["transport"], r["bad"]) for r in res] == [("mpi", [])] * 2, res
 
