@@ -266,9 +266,14 @@ class _DistributedOptimizer:
             b.pending = 0
         self._dp_launch_ready()
         try:
-            for b in self._dp_wait_all():
-                if step_each is not None:
-                    step_each.bucket(b)
+            waits = self._dp_wait_all()
+            try:
+                for b in waits:
+                    if step_each is not None:
+                        step_each.bucket(b)
+            except BaseException:
+                _drain(waits)
+                raise
             gather_sparse(self._dp_buckets, self._dp_ctx, self._dp_op)
             if step_each is not None:
                 step_each.rest()
@@ -376,6 +381,16 @@ class _DistributedOptimizer:
         for h in self._dp_hooks:
             h.remove()
         self._dp_hooks = []
+
+
+def _drain(waits) -> None:
+    """Wait out the buckets still in flight after ``step()`` failed on one of them (their
+    results are dropped), so that none lands in a bucket reset for the next step."""
+    try:
+        for _ in waits:
+            pass
+    except BaseException:  # noqa: BLE001 - the first error is the one raised
+        pass
 
 
 # torch's optimizers whose update of one parameter reads only that parameter's gradient

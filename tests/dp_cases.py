@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import numpy as np
 import torch
@@ -119,7 +120,51 @@ def step_each(ctx) -> None:
             calls[name] = {"each": n_each, "whole": n_whole}
     probe = dp.DistributedOptimizer(torch.optim.SGD(Frozen(False).parameters(), lr=0.1),
                                     bucket_bytes=4096)
-    report(rank=ctx.rank, exact=exact, calls=calls, buckets=len(probe._dp_buckets))
+    report(rank=ctx.rank, exact=exact, calls=calls, buckets=len(probe._dp_buckets),
+           failed_step=_failed_step(ctx, counting))
+
+
+def _failed_step(ctx, counting) -> dict:
+    """The optimizer's own step raises on the first bucket while the last bucket's
+    allreduce is still running (made slow): step() raises only once that bucket is done,
+    and the steps after it train on, the same on every rank."""
+    torch.manual_seed(1)
+    model = Frozen(False)
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters(), bucket_bytes=4096)
+    comm, real = ctx.comm, ctx.comm.allreduce
+    state = {"slow": False, "done": 0}
+
+    def allreduce(x, *a, **k):  # the last bucket: the first layer and the embedding
+        out = real(x, *a, **k)
+        if state["slow"] and x.size < 2000:
+            time.sleep(0.5)
+            state["done"] += 1
+        return out
+
+    def boom(self, *a, **k):
+        raise RuntimeError("boom")
+
+    comm.allreduce = allreduce
+    gen = torch.Generator().manual_seed(ctx.rank)
+    seen = {}
+    try:
+        for i in range(3):
+            opt.zero_grad()
+            state["slow"] = i == 1
+            model(torch.randint(0, 10, (16,), generator=gen)).pow(2).mean().backward()
+            torch.optim.SGD.step = boom if i == 1 else counting
+            try:
+                opt.step()
+            except RuntimeError as e:
+                seen = {"error": str(e), "slow_bucket_done": state["done"]}
+    finally:
+        comm.allreduce = real
+        torch.optim.SGD.step = counting
+        opt.remove_hooks()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    seen["same_everywhere"] = len(set(ctx.comm.mpi.allgather(flat.numpy().tobytes()))) == 1
+    return seen
 
 
 def main(mode: str) -> None:

@@ -268,7 +268,8 @@ def test_step_steps_each_bucket_as_it_is_averaged_with_the_whole_steps_bits():
     # step() runs the optimizer's own step once per bucket (2 here) as each bucket is
     # averaged, plus once for what is in no bucket (a parameter whose gradient is set by
     # hand); a gathered sparse gradient's bucket waits for the end; parameter groups are
-    # kept (a step leaves out the groups with none of its parameters). A step hook forces the
+    # kept (a step leaves out the groups with none of its parameters); an error in the
+    # optimizer's own step is raised once the step's buckets are all done. A step hook forces the
     # one whole step (hooks must run once per step), and the parameters must be the same
     # bits either way, for every optimizer stepped a bucket at a time.
     res = results(launch(2, str(REPO / "tests" / "dp_cases.py"), "step-each", timeout=180))
@@ -279,6 +280,10 @@ def test_step_steps_each_bucket_as_it_is_averaged_with_the_whole_steps_bits():
                               "adagrad": True, "sgd-sparse": True, "adam-groups": True}
         assert r["calls"] == {"sgd": {"each": [3] * 4, "whole": [1] * 4},
                               "sgd-sparse": {"each": [2] * 4, "whole": [1] * 4}}
+        # the optimizer's own step raised on the first bucket: step() raised it only once
+        # the last bucket (its allreduce made slow) was done, and training went on
+        assert r["failed_step"] == {"error": "boom", "slow_bucket_done": 1,
+                                    "same_everywhere": True}
 
 
 @pytest.mark.mpi
