@@ -36,6 +36,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -45,12 +46,17 @@ from .handshake import admit
 
 CHUNK_BYTES = 512 * 1024
 CONNECT_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 10.0  # for the ring's threads to end on close()
 _HDR = struct.Struct("<IIIIQ")  # bucket number, step, chunk, bytes, bucket signature
 _HELLO = struct.Struct("<16sI")  # token, sender's ring rank
 
 
 class RingError(CollectiveError):
     """The ring's connection failed, or a peer sent what this rank did not expect."""
+
+
+class _PeerClosed(RingError):
+    """The previous rank closed its connection where a read began."""
 
 
 class RingMismatchError(RingError, MismatchError):
@@ -146,12 +152,15 @@ class StreamRing:
         self._cv = threading.Condition()
         self._seq = 0
         self._broken: BaseException | None = None
+        self._left_gone: RingError | None = None  # the previous rank closed after its last bucket
         self._sendq: queue.Queue = queue.Queue()
         self._scratch = np.empty(self._chunk_bytes + 64, np.uint8)
         self._out, self._in = _connect(comm, self.p, self.r, ports, self.ranks)
         self.hosts = comm.allgather(socket.gethostname())
-        for target, name in ((self._sender, "send"), (self._receiver, "receive")):
-            threading.Thread(target=target, name=f"dtrun-ring-{name}", daemon=True).start()
+        self._threads = [threading.Thread(target=target, name=f"dtrun-ring-{name}", daemon=True)
+                         for target, name in ((self._sender, "send"), (self._receiver, "receive"))]
+        for t in self._threads:
+            t.start()
 
     # ------------------------------------------------------------------ caller side
     def submit(self, flat: np.ndarray, finish: Callable[[np.ndarray], None] | None = None) -> _Job:
@@ -172,8 +181,13 @@ class StreamRing:
         job.left = sum(len(job.chunks(k)) for k in range(p) if k != self.r)  # reduce-scatter
         job.left += sum(len(job.chunks(k)) for k in range(p) if k != (self.r + 1) % p)  # gather
         with self._cv:
-            self._jobs[job.seq] = job
-            self._cv.notify_all()
+            gone = self._left_gone
+            if gone is None:
+                self._jobs[job.seq] = job
+                self._cv.notify_all()
+        if gone is not None:  # nothing more comes from the previous rank: the next rank,
+            self._break(gone)  # which waits for this one, must fail too, not hang
+            raise gone
         for c, (i, j) in enumerate(first):
             self._queue(job, 0, c, i, j)
         with self._cv:  # an empty bucket has nothing to send or receive
@@ -200,7 +214,10 @@ class StreamRing:
         right = (self.r + 1) % self.p
         try:
             while True:
-                job, step, c, i, j = self._sendq.get()
+                item = self._sendq.get()
+                if item is None:  # close(): this thread ends before the sockets do
+                    return
+                job, step, c, i, j = item
                 view = memoryview(job.flat[i:j]).cast("B")
                 self._out.sendall(_HDR.pack(job.seq, step, c, view.nbytes, job.sig),
                                   socket.MSG_MORE)
@@ -219,12 +236,28 @@ class StreamRing:
         hdr = bytearray(_HDR.size)
         try:
             while True:
-                self._recv_into(memoryview(hdr))
+                try:
+                    self._recv_into(memoryview(hdr))
+                except _PeerClosed as e:
+                    if self._left_done(e):
+                        return
+                    raise
                 seq, step, c, nbytes, sig = _HDR.unpack(hdr)
                 job = self._job(seq)
                 self._take(job, step, c, nbytes, sig)
         except BaseException as e:  # noqa: BLE001 - handed to every waiter
             self._break(e)
+
+    def _left_done(self, e: RingError) -> bool:
+        """The previous rank closed its connection between chunks. When no bucket awaits
+        anything more from it, that rank is done and closed its ring (it had all it needed,
+        so it had sent all it owed): not a failure. A bucket here may still be waiting only
+        for its own last send to return, and finishes; a later ``submit`` fails."""
+        with self._cv:
+            if self._broken is not None or any(job.left for job in self._jobs.values()):
+                return False
+            self._left_gone = e
+            return True
 
     def _job(self, seq: int) -> _Job:
         with self._cv:
@@ -276,8 +309,9 @@ class StreamRing:
             k = self._in.recv_into(view[got:], n - got, socket.MSG_WAITALL)
             if k == 0:
                 left = (self.r - 1) % self.p
-                raise RingError("allreduce", self.me, f"rank {self.ranks[left]} on {self.hosts[left]} "
-                                "closed the ring's connection (it ended or failed)")
+                kind = _PeerClosed if got == 0 else RingError  # between reads, or within one
+                raise kind("allreduce", self.me, f"rank {self.ranks[left]} on {self.hosts[left]} "
+                           "closed the ring's connection (it ended or failed)")
             got += k
 
     def _break(self, e: BaseException) -> None:
@@ -300,11 +334,23 @@ class StreamRing:
                 pass
 
     def close(self) -> None:
-        """Close the connections (the other ranks' pending waits then fail)."""
+        """Close the connections (the other ranks' pending waits then fail).
+
+        The two threads end first, and only then are the sockets closed: a thread that
+        still held a socket's number when it was closed could meet that number again in
+        the next ring's socket, and read (steal) that ring's bytes. A thread that does not
+        end in time keeps its sockets open (they close with it) rather than risk that."""
         with self._cv:
             if self._broken is None:
                 self._broken = RingError("allreduce", self.me, "the ring was closed")
-        self._shutdown()
+            self._cv.notify_all()  # a receiver waiting for a bucket's submit
+        self._shutdown()  # a receiver blocked in recv returns, a sender in sendall fails
+        self._sendq.put(None)  # a sender waiting for work ends
+        end = time.monotonic() + CLOSE_TIMEOUT_S
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
+        if any(t.is_alive() for t in self._threads):
+            return
         for s in (self._out, self._in):
             s.close()
 
@@ -330,11 +376,11 @@ def _connect(comm: Any, p: int, r: int, ports: tuple[int, int] | None,
                         f"hosts: {deaf[0][1]}")
     out = inp = None
     problem = ""
+    inp_box: dict = {}
+    acceptor = threading.Thread(target=_accept, args=(listener, token, (r - 1) % p, inp_box,
+                                                      ranks[(r - 1) % p]), daemon=True)
+    acceptor.start()
     try:
-        inp_box: dict = {}
-        acceptor = threading.Thread(target=_accept, args=(listener, token, (r - 1) % p, inp_box,
-                                                          ranks[(r - 1) % p]), daemon=True)
-        acceptor.start()
         addrs, port, _ = table[(r + 1) % p]
         out, problem = _dial(_order_for(addrs, mine), port, token, r)
         acceptor.join(CONNECT_TIMEOUT_S + 1)
@@ -342,7 +388,10 @@ def _connect(comm: Any, p: int, r: int, ports: tuple[int, int] | None,
         if out is not None and inp is None:
             problem = inp_box.get("problem", "the previous rank did not connect in time")
     finally:
-        listener.close()
+        # Closed only once the acceptor has ended (it has a deadline of its own): a socket
+        # number closed under a thread that still uses it may come back as another socket.
+        if not acceptor.is_alive():
+            listener.close()
     problems = comm.allgather(problem if (out is None or inp is None) else "")
     bad = [(i, m) for i, m in enumerate(problems) if m]
     if bad:

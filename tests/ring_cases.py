@@ -17,6 +17,14 @@ Modes:
             two rings one after the other on the same fixed ports (RING_TEST_PORTS=LOW-HIGH,
             one port per rank): the second listens at once, though the first one's
             connections still hold those ports in TIME_WAIT
+  reopen    60 rings one after the other, each closed right after its last bucket and the
+            next opened at once: every sum is right, no rank fails because its neighbour
+            closed first, and no ring thread outlives its close()
+  done-first
+            2 ranks: rank 0's last send returns only after rank 1, which has all it needs,
+            has closed the ring (held until rank 0's receiver has seen the close, never
+            for a fixed time): rank 0's bucket still finishes, exact; its next bucket is
+            a RingError saying rank 1 closed the ring's connection
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ import hashlib
 import json
 import os
 import sys
+import threading
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -117,10 +127,74 @@ def same_ports(comm) -> None:
     report(rank=comm.Get_rank(), rounds=rounds)
 
 
+class _HoldLastSend:
+    """The ring's outgoing socket, whose ``hold``-th payload send returns only once the
+    ring has seen the previous rank close (or broken): the widest form of the race
+    between a rank's last send returning and its neighbour, done, closing the ring."""
+
+    def __init__(self, sock, ring: StreamRing, hold: int) -> None:
+        self._sock, self._ring, self._left = sock, ring, hold
+
+    def sendall(self, data, *flags) -> None:
+        self._sock.sendall(data, *flags)
+        if flags:  # a header
+            return
+        self._left -= 1
+        if self._left == 0:
+            end = time.monotonic() + 30
+            while time.monotonic() < end and getattr(self._ring, "_left_gone", None) is None \
+                    and self._ring._broken is None:
+                time.sleep(0.001)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def done_first(comm) -> None:
+    ring = StreamRing(comm.Dup())
+    x = np.ones(70_001)
+    if comm.Get_rank() == 0:  # its second payload send is its last one for this bucket
+        ring._out = _HoldLastSend(ring._out, ring, hold=2)
+    try:
+        ring.wait(ring.submit(x))
+        error = None
+    except RingError as e:
+        error = str(e)
+    if comm.Get_rank() == 1:
+        ring.close()
+        report(rank=1, error=error, exact=bool((x == 2).all()))
+        return
+    try:
+        ring.wait(ring.submit(np.ones(10)))
+        later = None
+    except RingError as e:
+        later = str(e)
+    ring.close()
+    report(rank=0, error=error, exact=bool((x == 2).all()), later=later)
+
+
+def reopen(comm) -> None:
+    wrong, errors, outlived = 0, [], 0
+    for k in range(60):
+        ring = StreamRing(comm.Dup())
+        try:
+            for n in (10, 70_001):
+                x = np.ones(n)
+                ring.wait(ring.submit(x))
+                wrong += int(not (x == comm.Get_size()).all())
+        except RingError as e:
+            errors.append(f"ring #{k}: {e}")
+        ring.close()
+        outlived += sum(t.name.startswith("dtrun-ring-") for t in threading.enumerate())
+        if comm.allreduce(len(errors), op=MPI.MAX):  # every rank stops together
+            break
+    report(rank=comm.Get_rank(), wrong=wrong, errors=errors, outlived=outlived)
+
+
 def main(mode: str) -> None:
     comm = MPI.COMM_WORLD
-    if mode == "same-ports":
-        same_ports(comm)
+    if mode in ("same-ports", "reopen", "done-first"):
+        {"same-ports": same_ports, "reopen": reopen, "done-first": done_first}[mode](comm)
         return
     ring = StreamRing(comm.Dup(), chunk_bytes=64 * 1024)
     {"exact": exact, "mismatch": mismatch, "peer-closes": peer_closes}[mode](comm, ring)

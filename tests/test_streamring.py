@@ -97,6 +97,30 @@ def test_fixed_ports_are_free_again_at_once_for_the_next_ring():
     assert [r["rounds"] for r in res] == [[2.0, 2.0], [2.0, 2.0]], res
 
 
+@pytest.mark.mpi
+def test_a_neighbour_that_is_done_and_closes_first_fails_no_bucket():
+    # Rank 1 has all it needs as soon as rank 0's last send is in the kernel, and closes;
+    # rank 0's sender has not yet returned from that send. Rank 0's bucket must finish,
+    # and only a bucket after it fail (a RingError, never a hang).
+    res = _results(2, "done-first")
+    host = socket.gethostname()
+    assert [(r["rank"], r["error"], r["exact"]) for r in res] == [(0, None, True), (1, None, True)]
+    assert res[0]["later"] == (f"allreduce on rank 0: rank 1 on {host} closed the ring's "
+                               "connection (it ended or failed)"), res
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_rings_closed_after_their_last_bucket_and_opened_again_at_once(n):
+    # As the runtime's stream path does when a Comm is freed and another made: every sum
+    # right on every rank, and no ring thread left behind by close() (one that outlived
+    # it could still be using a socket number that the next ring is given).
+    res = _results(n, "reopen")
+    assert [r["rank"] for r in res] == list(range(n))
+    for r in res:
+        assert (r["errors"], r["wrong"], r["outlived"]) == ([], 0, 0), r
+
+
 def test_the_listener_admits_only_the_token_and_rank_it_expects():
     token = b"k" * 16
     listener = socket.socket()
