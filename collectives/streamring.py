@@ -56,7 +56,8 @@ class RingError(CollectiveError):
 
 
 class _PeerClosed(RingError):
-    """The previous rank closed its connection where a read began."""
+    """The previous rank closed its connection between chunks (never seen by callers:
+    the receiver turns it into a RingError, or into the neighbour's end)."""
 
 
 class RingMismatchError(RingError, MismatchError):
@@ -237,11 +238,11 @@ class StreamRing:
         try:
             while True:
                 try:
-                    self._recv_into(memoryview(hdr))
+                    self._recv_into(memoryview(hdr), between=True)
                 except _PeerClosed as e:
                     if self._left_done(e):
                         return
-                    raise
+                    raise RingError(e.op, e.rank, e.problem) from None
                 seq, step, c, nbytes, sig = _HDR.unpack(hdr)
                 job = self._job(seq)
                 self._take(job, step, c, nbytes, sig)
@@ -256,7 +257,7 @@ class StreamRing:
         with self._cv:
             if self._broken is not None or any(job.left for job in self._jobs.values()):
                 return False
-            self._left_gone = e
+            self._left_gone = RingError(e.op, e.rank, e.problem)
             return True
 
     def _job(self, seq: int) -> _Job:
@@ -303,13 +304,13 @@ class StreamRing:
             self._jobs.pop(job.seq, None)
             job.done.set()
 
-    def _recv_into(self, view: memoryview) -> None:
+    def _recv_into(self, view: memoryview, between: bool = False) -> None:
         got, n = 0, view.nbytes
         while got < n:
             k = self._in.recv_into(view[got:], n - got, socket.MSG_WAITALL)
             if k == 0:
                 left = (self.r - 1) % self.p
-                kind = _PeerClosed if got == 0 else RingError  # between reads, or within one
+                kind = _PeerClosed if between and got == 0 else RingError  # between chunks?
                 raise kind("allreduce", self.me, f"rank {self.ranks[left]} on {self.hosts[left]} "
                            "closed the ring's connection (it ended or failed)")
             got += k

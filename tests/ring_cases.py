@@ -168,7 +168,7 @@ def done_first(comm) -> None:
         ring.wait(ring.submit(np.ones(10)))
         later = None
     except RingError as e:
-        later = str(e)
+        later = f"{type(e).__name__}: {e}"
     ring.close()
     report(rank=0, error=error, exact=bool((x == 2).all()), later=later)
 

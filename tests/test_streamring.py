@@ -104,7 +104,7 @@ def test_a_neighbour_that_is_done_and_closes_first_fails_no_bucket():
     res = _results(2, "done-first")
     host = socket.gethostname()
     assert [(r["rank"], r["error"], r["exact"]) for r in res] == [(0, None, True), (1, None, True)]
-    assert res[0]["later"] == (f"allreduce on rank 0: rank 1 on {host} closed the ring's "
+    assert res[0]["later"] == (f"RingError: allreduce on rank 0: rank 1 on {host} closed the ring's "
                                "connection (it ended or failed)"), res
 
 
